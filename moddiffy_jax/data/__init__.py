@@ -1,0 +1,1 @@
+"""moddiffy_jax.data."""
