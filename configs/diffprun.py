@@ -1,0 +1,19 @@
+r"""DiffPrun: a sparse task diff (hard-concrete L0, prune to 1%, fixmask) on the frozen pretrained encoder.
+
+Run (from the repository root)::
+
+    python -m moddiffy_jax.main --config=configs/diffprun.py --workdir=runs/diffprun
+    python -m moddiffy_jax.main --config=configs/diffprun.py:data=dwmw17 --workdir=runs/diffprun_dwmw17
+
+Arguments after ":" are comma-separated key=value pairs: data=synthetic|dwmw17
+(synthetic is generated in code; dwmw17 reads
+../shared/data/dwmw17_dialect by path), model=minilm|tiny,
+objective=adversarial|mmd. Any field can be overridden with
+--config.<field>=<value>; the config is locked, so a misspelled field fails.
+"""
+
+from moddiffy_jax.config_lib import experiment_config
+
+
+def get_config(arg=None):
+    return experiment_config("diffprun", arg)

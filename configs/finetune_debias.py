@@ -1,0 +1,19 @@
+r"""Finetune-debias: Finetune plus adversarial (or MMD) removal of every attribute in the same step.
+
+Run (from the repository root)::
+
+    python -m moddiffy_jax.main --config=configs/finetune_debias.py --workdir=runs/finetune_debias
+    python -m moddiffy_jax.main --config=configs/finetune_debias.py:data=dwmw17 --workdir=runs/finetune_debias_dwmw17
+
+Arguments after ":" are comma-separated key=value pairs: data=synthetic|dwmw17
+(synthetic is generated in code; dwmw17 reads
+../shared/data/dwmw17_dialect by path), model=minilm|tiny,
+objective=adversarial|mmd. Any field can be overridden with
+--config.<field>=<value>; the config is locked, so a misspelled field fails.
+"""
+
+from moddiffy_jax.config_lib import experiment_config
+
+
+def get_config(arg=None):
+    return experiment_config("finetune_debias", arg)

@@ -1,0 +1,19 @@
+r"""MoDDiffy-par: core fine-tuned and one sparse debiasing diff per attribute trained in the same loop.
+
+Run (from the repository root)::
+
+    python -m moddiffy_jax.main --config=configs/moddiffy_par.py --workdir=runs/moddiffy_par
+    python -m moddiffy_jax.main --config=configs/moddiffy_par.py:data=dwmw17 --workdir=runs/moddiffy_par_dwmw17
+
+Arguments after ":" are comma-separated key=value pairs: data=synthetic|dwmw17
+(synthetic is generated in code; dwmw17 reads
+../shared/data/dwmw17_dialect by path), model=minilm|tiny,
+objective=adversarial|mmd. Any field can be overridden with
+--config.<field>=<value>; the config is locked, so a misspelled field fails.
+"""
+
+from moddiffy_jax.config_lib import experiment_config
+
+
+def get_config(arg=None):
+    return experiment_config("moddiffy_par", arg)

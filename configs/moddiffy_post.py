@@ -1,0 +1,22 @@
+r"""MoDDiffy-post: one sparse debiasing diff per attribute on the frozen core of a finetune run.
+
+Run (from the repository root)::
+
+    python -m moddiffy_jax.main --config=configs/moddiffy_post.py --workdir=runs/moddiffy_post
+    python -m moddiffy_jax.main --config=configs/moddiffy_post.py:data=dwmw17 --workdir=runs/moddiffy_post_dwmw17
+
+Arguments after ":" are comma-separated key=value pairs: data=synthetic|dwmw17
+(synthetic is generated in code; dwmw17 reads
+../shared/data/dwmw17_dialect by path), model=minilm|tiny,
+objective=adversarial|mmd. Any field can be overridden with
+--config.<field>=<value>; the config is locked, so a misspelled field fails.
+
+MoDDiffy-post needs a finished finetune run of the same data and model:
+add --config.method.core_run=runs/finetune (its workdir).
+"""
+
+from moddiffy_jax.config_lib import experiment_config
+
+
+def get_config(arg=None):
+    return experiment_config("moddiffy_post", arg)

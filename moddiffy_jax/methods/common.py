@@ -1,0 +1,471 @@
+"""The one train-step factory every method family shares.
+
+A method is described by *data*, not by a training loop of its own:
+
+* ``MethodDef``: how the task is learned (``encoder``: full fine-tuning,
+  adapters, a task diff on the frozen pretrained encoder, or a frozen core
+  taken from an earlier run) and how attributes are removed (``debias``:
+  none, jointly with the task, or modularly with one sparse diff per
+  attribute).
+* The trainable state is a dict of named parts, e.g.
+  ``{"core": params, "task_head": ..., "diffs": {"gender": DiffState},
+  "adversaries": {"gender": ...}}``; the frozen state holds what is never
+  differentiated (the pretrained or core params, sparse indices in the
+  fixmask phase).
+* A train step is a fixed sequence of ``SubStep`` s, each with its own loss,
+  its own part of the trainable state and its own optimizer (so its own Adam
+  moments). MoDDiffy-par is ``[task, debias/gender, debias/age]``: the task
+  step trains core and task head with the diffs off, then each debias step
+  trains one attribute's diff (core frozen) with the task loss through the
+  same task head, its debias loss and its L0 term.
+
+Phases (``l0`` -> ``fixmask`` for diff methods, a single ``train`` phase
+otherwise) each get their own jitted step; the transition between them is a
+host-side pure function (see ``moddiffy_jax.train``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+
+from moddiffy_jax import objectives
+from moddiffy_jax.subnets import diffs as diffs_lib
+from moddiffy_jax.subnets import hard_concrete, selection
+
+PyTree = Any
+Key = tuple[str, ...]
+
+ENCODER_MODES = ("full", "adapter", "diff", "frozen")
+DEBIAS_MODES = ("none", "joint", "modular")
+DEBIAS_OBJECTIVES = ("adversarial", "mmd")
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodDef:
+    """What a named method trains; see the module docstring."""
+
+    name: str
+    encoder: str
+    debias: str
+    description: str
+
+    def __post_init__(self):
+        if self.encoder not in ENCODER_MODES:
+            raise ValueError(f"encoder must be one of {ENCODER_MODES}")
+        if self.debias not in DEBIAS_MODES:
+            raise ValueError(f"debias must be one of {DEBIAS_MODES}")
+
+    @property
+    def uses_diffs(self) -> bool:
+        return self.encoder == "diff" or self.debias == "modular"
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        return ("l0", "fixmask") if self.uses_diffs else ("train",)
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a step changes. ``opt_states`` has one entry per sub-step."""
+
+    step: jax.Array
+    trainable: dict[str, Any]
+    opt_states: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class SubStep:
+    """One optimisation step inside a train step.
+
+    Attributes:
+      name: e.g. "task" or "debias/gender"; prefixes its metric names.
+      updates: the keys (paths into ``trainable``) this sub-step trains.
+      loss: ``loss(trainable, frozen, batch, rng) -> (total, {name: term})``.
+      optimizer: its own optax transformation (own moments, own clipping).
+    """
+
+    name: str
+    updates: tuple[Key, ...]
+    loss: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+    optimizer: optax.GradientTransformation
+
+
+def get_part(tree: Mapping[str, Any], key: Key) -> Any:
+    node = tree
+    for k in key:
+        node = node[k]
+    return node
+
+
+def set_part(tree: Mapping[str, Any], key: Key, value: Any) -> dict[str, Any]:
+    """A copy of ``tree`` with ``value`` at ``key`` (copies only the spine)."""
+    head, *rest = key
+    out = dict(tree)
+    out[head] = value if not rest else set_part(tree.get(head, {}), tuple(rest), value)
+    return out
+
+
+def _nested_set(out: dict[str, Any], key: Key, value: Any) -> None:
+    node = out
+    for k in key[:-1]:
+        node = node.setdefault(k, {})
+    node[key[-1]] = value
+
+
+def gather_parts(trainable: Mapping[str, Any], keys: Sequence[Key]) -> dict[str, Any]:
+    """The nested dict holding only the parts of ``trainable`` at ``keys``."""
+    out: dict[str, Any] = {}
+    for key in keys:
+        _nested_set(out, key, get_part(trainable, key))
+    return out
+
+
+def scatter_parts(
+    trainable: Mapping[str, Any], parts: Mapping[str, Any], keys: Sequence[Key]
+) -> dict[str, Any]:
+    """``trainable`` with the parts at ``keys`` taken from ``parts``."""
+    out = dict(trainable)
+    for key in keys:
+        out = set_part(out, key, get_part(parts, key))
+    return out
+
+
+# --------------------------------------------------------------------------
+# Optimizers: per-role learning rates through optax.partition.
+
+# Roles by path inside the trained parts; first match wins. The optimizer
+# config gives each role a learning rate and a weight decay.
+ROLE_RULES: tuple[tuple[str, str], ...] = (
+    (r"core/.*", "encoder"),
+    (r"adapters/.*", "adapter"),
+    (r"(task_diff|diffs/[^/]+)/(log_alpha|group_log_alpha)(/.*)?", "log_alpha"),
+    (r"(task_diff|diffs/[^/]+)/.*", "diff"),
+    (r"(task_head|adversaries/[^/]+)/.*", "heads"),
+)
+ROLES = ("encoder", "adapter", "log_alpha", "diff", "heads")
+
+
+def role_labels(parts: PyTree) -> PyTree:
+    """Role label of every leaf of ``parts`` from :data:`ROLE_RULES`."""
+    paths = selection.tree_paths(parts)
+    rules = [
+        (rule, role)
+        for rule, role in ROLE_RULES
+        if any(re.fullmatch(rule, p) for p in paths)
+    ]
+    return selection.assign_roles(parts, rules)
+
+
+def make_optimizer(optim: Mapping[str, Any]) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW with a learning rate per role.
+
+    Args:
+      optim: the ``config.optim`` mapping with ``lr_<role>``, ``wd_<role>``
+        for every role in :data:`ROLES`, ``clip_norm`` (<= 0 disables), and
+        ``b1``, ``b2``, ``eps``.
+
+    The clip is over all gradients of one sub-step. The reference clips over
+    every parameter of the model, including stale gradients of other
+    sub-steps (moddiffy_spec §3.4); with separate sub-steps that leak is a
+    bug, so each sub-step clips its own gradients.
+    """
+    transforms = {
+        role: optax.adamw(
+            optim[f"lr_{role}"],
+            b1=optim["b1"],
+            b2=optim["b2"],
+            eps=optim["eps"],
+            weight_decay=optim[f"wd_{role}"],
+        )
+        for role in ROLES
+    }
+    chain = [optax.partition(transforms, role_labels)]
+    if optim["clip_norm"] > 0:
+        chain.insert(0, optax.clip_by_global_norm(optim["clip_norm"]))
+    return optax.chain(*chain)
+
+
+# --------------------------------------------------------------------------
+# Encoder parameters of a configuration.
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffSettings:
+    """Static hyperparameters of the diffs of one run."""
+
+    hc: hard_concrete.HardConcrete
+    straight_through: bool
+    l0_weight: float
+
+
+def add_sparse(
+    base: PyTree, indices: Mapping[str, Any], values: Mapping[str, Any]
+) -> PyTree:
+    """``base`` plus a scatter of ``values`` at flat ``indices`` (nested dicts)."""
+
+    def add(leaf, idx, val):
+        flat = leaf.reshape(-1).at[idx].add(val.astype(leaf.dtype))
+        return flat.reshape(leaf.shape)
+
+    return selection.map_subtree(add, base, indices, values)
+
+
+def apply_diff_part(
+    base: PyTree,
+    part: Any,
+    indices: Any,
+    *,
+    phase: str,
+    settings: DiffSettings,
+    rng: jax.Array | None,
+    train: bool,
+) -> PyTree:
+    """Adds one diff (a DiffState in ``l0``, sparse values in ``fixmask``)."""
+    if phase == "l0":
+        return diffs_lib.apply_dense_diff(
+            base,
+            part,
+            rng=rng,
+            hc=settings.hc,
+            train=train,
+            straight_through=settings.straight_through,
+        )
+    return add_sparse(base, indices, part)
+
+
+def encoder_params(
+    method: MethodDef,
+    trainable: Mapping[str, Any],
+    frozen: Mapping[str, Any],
+    *,
+    phase: str,
+    settings: DiffSettings | None,
+    attribute: str | None,
+    rng: jax.Array | None,
+    train: bool,
+) -> PyTree:
+    """Effective encoder params: base/core, adapters, task diff, attribute diff."""
+    params = trainable["core"] if method.encoder == "full" else frozen["base"]
+    if method.encoder == "adapter":
+        params = selection.merge(params, trainable["adapters"])
+    rngs = jax.random.split(rng, 2) if rng is not None else (None, None)
+    if method.encoder == "diff":
+        params = apply_diff_part(
+            params,
+            trainable["task_diff"],
+            frozen.get("indices", {}).get("task_diff"),
+            phase=phase,
+            settings=settings,
+            rng=rngs[0],
+            train=train,
+        )
+    if attribute is not None:
+        params = apply_diff_part(
+            params,
+            trainable["diffs"][attribute],
+            frozen.get("indices", {}).get("diffs", {}).get(attribute),
+            phase=phase,
+            settings=settings,
+            rng=rngs[1],
+            train=train,
+        )
+    return params
+
+
+# --------------------------------------------------------------------------
+# Losses of the sub-steps.
+
+
+@dataclasses.dataclass(frozen=True)
+class DebiasSettings:
+    objective: str  # "adversarial" or "mmd"
+    adv_lambda: float
+    mmd_weight: float
+    attr_classes: Mapping[str, int]
+
+
+def debias_term(
+    model: Any,
+    trainable: Mapping[str, Any],
+    h: jax.Array,
+    labels: jax.Array,
+    attribute: str,
+    *,
+    settings: DebiasSettings,
+    rng: jax.Array,
+    train: bool,
+) -> tuple[str, jax.Array]:
+    """The named removal term for one attribute on representations ``h``."""
+    if settings.objective == "adversarial":
+        reversed_h = objectives.gradient_reversal(h, settings.adv_lambda)
+        logits = model.adversary_logits(
+            attribute, trainable["adversaries"][attribute], reversed_h, rng, train
+        )
+        return f"adv/{attribute}", objectives.adversarial_loss(logits, labels)
+    value = objectives.mmd_loss(h, labels, num_classes=settings.attr_classes[attribute])
+    return f"mmd/{attribute}", settings.mmd_weight * value
+
+
+def make_task_loss(
+    model: Any,
+    method: MethodDef,
+    *,
+    phase: str,
+    diff_settings: DiffSettings | None,
+    debias: DebiasSettings | None,
+    attributes: Sequence[str],
+) -> Callable:
+    """Loss of the task step (plus joint debias terms and the task-diff L0)."""
+
+    def loss(trainable, frozen, batch, rng):
+        r_diff, r_enc, r_head, r_adv = jax.random.split(rng, 4)
+        params = encoder_params(
+            method,
+            trainable,
+            frozen,
+            phase=phase,
+            settings=diff_settings,
+            attribute=None,
+            rng=r_diff,
+            train=True,
+        )
+        h = model.represent(params, batch, r_enc, True)
+        head = trainable.get("task_head", frozen.get("task_head"))
+        logits = model.task_logits(head, h, r_head, True)
+        terms = {"task": objectives.cross_entropy(logits, batch["task"])}
+        if method.debias == "joint":
+            for i, attr in enumerate(attributes):
+                name, value = debias_term(
+                    model,
+                    trainable,
+                    h,
+                    batch["attrs"][attr],
+                    attr,
+                    settings=debias,
+                    rng=jax.random.fold_in(r_adv, i),
+                    train=True,
+                )
+                terms[name] = value
+        if method.encoder == "diff" and phase == "l0":
+            penalty = diffs_lib.l0_penalty(trainable["task_diff"], hc=diff_settings.hc)
+            terms["l0/task"] = diff_settings.l0_weight * penalty
+        return sum(terms.values()), terms
+
+    return loss
+
+
+def make_debias_loss(
+    model: Any,
+    method: MethodDef,
+    attribute: str,
+    *,
+    phase: str,
+    diff_settings: DiffSettings,
+    debias: DebiasSettings,
+) -> Callable:
+    """Loss of attribute ``attribute``'s modular debias step.
+
+    task CE through the (shared) task head + the removal term + L0 of this
+    attribute's diff only (the reference always penalised diff 0; spec §4.2).
+    """
+
+    def loss(trainable, frozen, batch, rng):
+        r_diff, r_enc, r_head, r_adv = jax.random.split(rng, 4)
+        params = encoder_params(
+            method,
+            trainable,
+            frozen,
+            phase=phase,
+            settings=diff_settings,
+            attribute=attribute,
+            rng=r_diff,
+            train=True,
+        )
+        h = model.represent(params, batch, r_enc, True)
+        head = trainable.get("task_head", frozen.get("task_head"))
+        logits = model.task_logits(head, h, r_head, True)
+        terms = {"task": objectives.cross_entropy(logits, batch["task"])}
+        name, value = debias_term(
+            model,
+            trainable,
+            h,
+            batch["attrs"][attribute],
+            attribute,
+            settings=debias,
+            rng=r_adv,
+            train=True,
+        )
+        terms[name] = value
+        if phase == "l0":
+            penalty = diffs_lib.l0_penalty(
+                trainable["diffs"][attribute], hc=diff_settings.hc
+            )
+            terms[f"l0/{attribute}"] = diff_settings.l0_weight * penalty
+        return sum(terms.values()), terms
+
+    return loss
+
+
+# --------------------------------------------------------------------------
+# The step factory.
+
+
+def make_train_step(substeps: Sequence[SubStep]) -> Callable:
+    """``step(state, frozen, batch, rng) -> (state, metrics)``, not yet jitted.
+
+    Sub-steps run in order; each sees the parameters the previous ones
+    produced. The step's randomness is ``fold_in(rng, state.step)`` and then
+    ``fold_in(., i)`` for sub-step ``i``, so a resumed run draws the same
+    noise as an uninterrupted one.
+    """
+
+    def step(state: TrainState, frozen, batch, rng):
+        rng = jax.random.fold_in(rng, state.step)
+        trainable = state.trainable
+        opt_states = dict(state.opt_states)
+        metrics = {}
+        for i, sub in enumerate(substeps):
+            sub_rng = jax.random.fold_in(rng, i)
+            own = gather_parts(trainable, sub.updates)
+
+            def objective(own_, sub=sub, sub_rng=sub_rng, trainable=trainable):
+                full = scatter_parts(trainable, own_, sub.updates)
+                return sub.loss(full, frozen, batch, sub_rng)
+
+            (total, terms), grads = jax.value_and_grad(objective, has_aux=True)(own)
+            updates, opt_states[sub.name] = sub.optimizer.update(
+                grads, opt_states[sub.name], own
+            )
+            own = optax.apply_updates(own, updates)
+            trainable = scatter_parts(trainable, own, sub.updates)
+            metrics[f"{sub.name}/loss"] = total
+            metrics[f"{sub.name}/grad_norm"] = optax.global_norm(grads)
+            for name, value in terms.items():
+                metrics[f"{sub.name}/{name}"] = value
+        new_state = state.replace(
+            step=state.step + 1, trainable=trainable, opt_states=opt_states
+        )
+        return new_state, metrics
+
+    return step
+
+
+def init_opt_states(
+    substeps: Sequence[SubStep], trainable: Mapping[str, Any]
+) -> dict[str, Any]:
+    return {
+        sub.name: sub.optimizer.init(gather_parts(trainable, sub.updates))
+        for sub in substeps
+    }
+
+
+def jnp_zero_step() -> jax.Array:
+    return jnp.zeros((), jnp.int32)

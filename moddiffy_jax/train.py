@@ -1,0 +1,735 @@
+"""The generic training loop: phases, jitted steps, evaluation, checkpoints.
+
+``train_and_evaluate(config, workdir)`` runs any method of
+``moddiffy_jax.methods`` from a config (see ``configs/``). The loop is the
+same for every method: a method only decides what is trainable and which
+sub-steps a step runs (``moddiffy_jax.methods.common``).
+
+Data flow: config -> data source -> tokenized arrays -> grain iterator ->
+sharded batches -> ``jit(train_step)`` per phase -> metrics / eval / Orbax
+checkpoints -> host-side phase transition (magnitude pruning to an exact
+budget) -> fixmask phase -> exported files and ``results.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+
+from moddiffy_jax import checkpoints, parallel
+from moddiffy_jax.methods import common
+from moddiffy_jax.methods import registry as method_registry
+from moddiffy_jax.subnets import diffs as diffs_lib
+from moddiffy_jax.subnets import hard_concrete, selection
+
+# Config keys whose change does not make a different run (how long to log,
+# where to stop for a simulated preemption, ...).
+_VOLATILE_KEYS = ("train.stop_at_step", "train.log_every", "train.progress")
+
+
+# --------------------------------------------------------------------------
+# Run directory.
+
+
+def _flat_config(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flat_config(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """A JSON-able dict of the resolved config (tuples become lists)."""
+    return json.loads(config.to_json_best_effort(sort_keys=True))
+
+
+def prepare_workdir(config: ml_collections.ConfigDict, workdir: Path) -> None:
+    """Creates ``workdir`` or checks it holds a run of the same config.
+
+    Raises:
+      ValueError: if ``workdir`` holds a run with a different config; nothing
+        in it is touched.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / "config.json"
+    new = config_to_dict(config)
+    if path.exists():
+        old = json.loads(path.read_text())
+        a, b = _flat_config(old), _flat_config(new)
+        changed = sorted(
+            k
+            for k in set(a) | set(b)
+            if a.get(k) != b.get(k) and k not in _VOLATILE_KEYS
+        )
+        if changed:
+            details = ", ".join(
+                f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed[:8]
+            )
+            raise ValueError(
+                f"{workdir} already holds a run with a different config ({details}). "
+                "Use a new --workdir, or delete this one if you no longer need it."
+            )
+    checkpoints.write_json_atomic(path, new)
+
+
+class MetricWriter:
+    """JSON lines plus TensorBoard scalars under the run directory."""
+
+    def __init__(self, workdir: Path):
+        self.path = workdir / "metrics.jsonl"
+        try:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(workdir / "tb"))
+        except ImportError:  # pragma: no cover - tensorboardX is a dependency
+            self.tb = None
+
+    def write(self, step: int, record: Mapping[str, Any]) -> None:
+        record = {"step": int(step), **record}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+# --------------------------------------------------------------------------
+# Context: data, model, pretrained params.
+
+
+@dataclasses.dataclass
+class Context:
+    config: ml_collections.ConfigDict
+    method: common.MethodDef
+    data: Any
+    model: Any
+    pretrained: Any
+    attributes: tuple[str, ...]
+    mesh: Any
+    diff_settings: common.DiffSettings
+    debias: common.DebiasSettings | None
+
+
+def build_context(config: ml_collections.ConfigDict) -> Context:
+    from moddiffy_jax import data as data_lib
+    from moddiffy_jax.models import text as text_lib
+
+    method = method_registry.get_method(config.method.name)
+    tokenizer = text_lib.load_tokenizer_for(config.model)
+    dataset = data_lib.build_dataset(config.data, tokenizer)
+    attributes = tuple(config.method.attributes) or tuple(dataset.attr_classes)
+    unknown = [a for a in attributes if a not in dataset.attr_classes]
+    if unknown:
+        raise ValueError(
+            f"config.method.attributes names {unknown}, which the dataset does "
+            f"not have; its attributes are {sorted(dataset.attr_classes)}."
+        )
+    attr_classes = {a: len(dataset.attr_classes[a]) for a in attributes}
+    model, pretrained = text_lib.build_model(
+        config.model,
+        num_task_classes=len(dataset.task_classes),
+        attr_classes=attr_classes,
+        adversary=config.method.adversary,
+        rng=jax.random.PRNGKey(config.seed),
+        with_adapters=method.encoder == "adapter",
+    )
+    hc = hard_concrete.HardConcrete(
+        left=config.diff.left,
+        right=config.diff.right,
+        temperature=config.diff.temperature,
+        init_log_alpha=config.diff.init_log_alpha,
+    )
+    diff_settings = common.DiffSettings(
+        hc=hc,
+        straight_through=config.diff.straight_through,
+        l0_weight=config.diff.l0_weight,
+    )
+    debias = None
+    if method.debias != "none":
+        if config.method.objective not in common.DEBIAS_OBJECTIVES:
+            raise ValueError(
+                f"config.method.objective={config.method.objective!r} is not one of "
+                f"{common.DEBIAS_OBJECTIVES}."
+            )
+        debias = common.DebiasSettings(
+            objective=config.method.objective,
+            adv_lambda=config.method.adv_lambda,
+            mmd_weight=config.method.mmd_weight,
+            attr_classes=attr_classes,
+        )
+    mesh = parallel.make_mesh(config.num_devices or None)
+    parallel.check_batch_size(config.train.batch_size, mesh)
+    return Context(
+        config=config,
+        method=method,
+        data=dataset,
+        model=model,
+        pretrained=pretrained,
+        attributes=attributes,
+        mesh=mesh,
+        diff_settings=diff_settings,
+        debias=debias,
+    )
+
+
+# --------------------------------------------------------------------------
+# State construction and phase transitions (host side, pure).
+
+
+def _load_core_run(run_dir: str) -> tuple[Any, Any, str]:
+    """Core encoder params and task head exported by a finetune run."""
+    if not run_dir:
+        raise ValueError(
+            "moddiffy_post needs config.method.core_run: the workdir of a finished "
+            "finetune run of this library (it holds export/core.safetensors)."
+        )
+    export = Path(run_dir) / "export"
+    for name in ("core.safetensors", "task_head.safetensors"):
+        if not (export / name).is_file():
+            raise FileNotFoundError(
+                f"{export / name} is missing: config.method.core_run must be a "
+                "finished finetune run (train it with configs/finetune.py first)."
+            )
+    core, meta = checkpoints.load_params(export / "core.safetensors")
+    head, _ = checkpoints.load_params(export / "task_head.safetensors")
+    return core, head, meta.get("fingerprint", "")
+
+
+def diff_rules(
+    config: ml_collections.ConfigDict,
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return tuple(config.diff.include), tuple(config.diff.exclude)
+
+
+def init_state(ctx: Context, rng: jax.Array) -> tuple[dict, dict]:
+    """Trainable and frozen parts at the start of the first phase."""
+    cfg, method, model = ctx.config, ctx.method, ctx.model
+    include, exclude = diff_rules(cfg)
+    r_head, r_adv = jax.random.split(rng)
+    trainable: dict[str, Any] = {}
+    frozen: dict[str, Any] = {}
+    encoder = ctx.pretrained
+    if method.encoder == "frozen":
+        encoder, head, _ = _load_core_run(cfg.method.core_run)
+        _check_same_structure(encoder, ctx.pretrained, cfg.method.core_run)
+        frozen["task_head"] = head
+    else:
+        trainable["task_head"] = model.init_task_head(r_head)
+    if method.encoder == "full":
+        trainable["core"] = encoder
+    elif method.encoder == "adapter":
+        adapter_paths = selection.select_paths(encoder, model.adapter_rule)
+        trainable["adapters"] = selection.subtree(encoder, adapter_paths)
+        frozen["base"] = encoder
+    else:
+        frozen["base"] = encoder
+    if method.encoder == "diff":
+        trainable["task_diff"] = diffs_lib.init_diff(
+            encoder,
+            include,
+            exclude=exclude,
+            hc=ctx.diff_settings.hc,
+            structured=cfg.diff.structured,
+        )
+    if method.debias == "modular":
+        trainable["diffs"] = {
+            attr: diffs_lib.init_diff(
+                encoder,
+                include,
+                exclude=exclude,
+                hc=ctx.diff_settings.hc,
+                structured=cfg.diff.structured,
+            )
+            for attr in ctx.attributes
+        }
+    if ctx.debias is not None and ctx.debias.objective == "adversarial":
+        trainable["adversaries"] = {
+            attr: model.init_adversary(attr, jax.random.fold_in(r_adv, i))
+            for i, attr in enumerate(ctx.attributes)
+        }
+    return trainable, frozen
+
+
+def _check_same_structure(a: Any, b: Any, where: str) -> None:
+    fa = {k: np.shape(v) for k, v in selection.flatten(a).items()}
+    fb = {k: np.shape(v) for k, v in selection.flatten(b).items()}
+    if fa != fb:
+        bad = sorted(k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k))
+        raise ValueError(
+            f"The core of {where} does not match the configured model "
+            f"(differing tensors: {bad[:6]}). Use the same config.model as that run."
+        )
+
+
+def diff_keys(method: common.MethodDef, attributes: Sequence[str]) -> list[common.Key]:
+    keys: list[common.Key] = []
+    if method.encoder == "diff":
+        keys.append(("task_diff",))
+    if method.debias == "modular":
+        keys += [("diffs", a) for a in attributes]
+    return keys
+
+
+def diff_name(key: common.Key) -> str:
+    return "task" if key == ("task_diff",) else key[-1]
+
+
+def base_for_diff(ctx: Context, trainable: Mapping, frozen: Mapping, key: common.Key):
+    """The params a diff is relative to (its fingerprint goes in the file)."""
+    params = trainable["core"] if ctx.method.encoder == "full" else frozen["base"]
+    if ctx.method.encoder == "adapter":
+        params = selection.merge(params, trainable["adapters"])
+    if key != ("task_diff",) and ctx.method.encoder == "diff":
+        raise NotImplementedError("attribute diffs on top of a task diff")
+    return params
+
+
+def to_fixmask(
+    ctx: Context, trainable: dict, frozen: dict
+) -> tuple[dict, dict, dict[str, diffs_lib.SparseDiff]]:
+    """Phase transition: prune every diff to its exact budget.
+
+    Each DiffState becomes the kept values (deterministic gate times delta at
+    the kept entries); their indices move to ``frozen["indices"]``.
+    """
+    cfg = ctx.config
+    include, exclude = diff_rules(cfg)
+    sparse: dict[str, diffs_lib.SparseDiff] = {}
+    new_trainable, new_frozen = dict(trainable), dict(frozen)
+    indices: dict[str, Any] = {}
+    for key in diff_keys(ctx.method, ctx.attributes):
+        state = common.get_part(trainable, key)
+        values = diffs_lib.dense_diff_values(state, hc=ctx.diff_settings.hc)
+        base = base_for_diff(ctx, trainable, frozen, key)
+        sd = diffs_lib.prune_to_sparsity(
+            jax.device_get(values),
+            keep=cfg.diff.keep,
+            scope=cfg.diff.scope,
+            name=diff_name(key),
+            base_fingerprint="",
+            rules=(include, exclude),
+            info={"method": ctx.method.name},
+        )
+        sparse[diff_name(key)] = sd
+        new_trainable = common.set_part(
+            new_trainable, key, selection.unflatten(dict(sd.values))
+        )
+        indices = common.set_part(indices, key, selection.unflatten(dict(sd.indices)))
+        del base
+    new_frozen["indices"] = indices
+    return new_trainable, new_frozen, sparse
+
+
+def sparse_diffs_of(
+    ctx: Context, trainable: Mapping, frozen: Mapping, phase: str
+) -> dict[str, diffs_lib.SparseDiff]:
+    """The current diffs as SparseDiffs, each with its base's fingerprint.
+
+    In the ``l0`` phase: the nonzeros of the deterministic-gate diff; in
+    ``fixmask``: the kept entries and their trained values.
+    """
+    include, exclude = diff_rules(ctx.config)
+    info = {"method": ctx.method.name, "keep": ctx.config.diff.keep}
+    out = {}
+    for key in diff_keys(ctx.method, ctx.attributes):
+        base = base_for_diff(ctx, trainable, frozen, key)
+        fp = diffs_lib.fingerprint(base)
+        part = common.get_part(trainable, key)
+        if phase == "l0":
+            dense = diffs_lib.dense_diff_values(part, hc=ctx.diff_settings.hc)
+            out[diff_name(key)] = diffs_lib.SparseDiff.from_dense(
+                jax.device_get(dense),
+                name=diff_name(key),
+                base_fingerprint=fp,
+                rules=(include, exclude),
+                info={**info, "phase": "l0"},
+            )
+            continue
+        # fixmask: exactly the kept entries (some may be zero), in leaf order.
+        idx = selection.flatten(jax.device_get(common.get_part(frozen["indices"], key)))
+        vals = selection.flatten(jax.device_get(part))
+        flat_base = selection.flatten(base)
+        paths = [p for p in flat_base if p in idx]
+        out[diff_name(key)] = diffs_lib.SparseDiff(
+            indices={p: np.asarray(idx[p], np.int32) for p in paths},
+            values={p: np.asarray(vals[p]) for p in paths},
+            shapes=tuple((p, tuple(np.shape(flat_base[p]))) for p in paths),
+            dtype=str(np.asarray(vals[paths[0]]).dtype),
+            name=diff_name(key),
+            base_fingerprint=fp,
+            rules=(include, exclude),
+            info_json=json.dumps({**info, "phase": "fixmask"}, sort_keys=True),
+        )
+    return out
+
+
+# --------------------------------------------------------------------------
+# Evaluation.
+
+
+class Evaluator:
+    """Deterministic task accuracy of any encoder-params configuration."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        model = ctx.model
+
+        def logits_fn(enc_params, head_params, batch):
+            h = model.represent(enc_params, batch, None, False)
+            return model.task_logits(head_params, h, None, False)
+
+        self._logits = jax.jit(logits_fn)
+        self._compose = jax.jit(lambda base, ds, w: diffs_lib.apply_diffs(base, ds, w))
+
+    def compose(self, base: Any, diffs: Sequence[diffs_lib.SparseDiff]) -> Any:
+        if not diffs:
+            return base
+        plain = [d.without_metadata() for d in diffs]
+        return self._compose(base, plain, jnp.ones(len(diffs), jnp.float32))
+
+    def task_accuracy(self, enc_params: Any, head_params: Any, split: str) -> float:
+        from moddiffy_jax.data import eval_batches
+
+        data = self.ctx.data.splits[split]
+        correct, total = 0.0, 0.0
+        for batch in eval_batches(data, self.ctx.config.eval.batch_size):
+            w = batch["weight"]
+            logits = self._logits(enc_params, head_params, _model_inputs(batch))
+            pred = np.asarray(jnp.argmax(logits, -1))
+            correct += float(np.sum((pred == batch["task"]) * w))
+            total += float(np.sum(w))
+        return correct / max(total, 1.0)
+
+
+def _model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+
+
+def composition_table(
+    ctx: Context,
+    evaluator: Evaluator,
+    core: Any,
+    head: Any,
+    sparse: Mapping[str, diffs_lib.SparseDiff],
+    splits: Sequence[str],
+) -> dict[str, dict[str, float]]:
+    """Task accuracy for the core, each diff, and every larger subset of diffs."""
+    names = [n for n in sparse if n != "task"]
+    base = core
+    if "task" in sparse:  # DiffPrun: the task diff is part of the model itself.
+        base = evaluator.compose(core, [sparse["task"]])
+    rows = {}
+    subsets = [()] + [
+        c for r in range(1, len(names) + 1) for c in itertools.combinations(names, r)
+    ]
+    for subset in subsets:
+        params = evaluator.compose(base, [sparse[n] for n in subset])
+        label = "core" if not subset else "core+" + "+".join(subset)
+        rows[label] = {
+            f"{s}_task_acc": evaluator.task_accuracy(params, head, s) for s in splits
+        }
+    return rows
+
+
+# --------------------------------------------------------------------------
+# The loop.
+
+
+def _check_finite(
+    records: Sequence[Mapping[str, float]], first_step: int, ckpt, workdir
+):
+    for offset, rec in enumerate(records):
+        bad = [k for k, v in rec.items() if not math.isfinite(v)]
+        if bad:
+            last = ckpt.latest_step()
+            kept = (
+                f"the last good checkpoint is step {last} in {workdir / 'checkpoints'}"
+                if last is not None
+                else "no checkpoint had been written yet"
+            )
+            raise FloatingPointError(
+                f"Non-finite {', '.join(sorted(bad)[:4])} at step {first_step + offset}; "
+                f"training stopped and {kept}. Lower the learning rates "
+                "(config.optim.lr_*) or check the data."
+            )
+
+
+def _phase_steps(config: ml_collections.ConfigDict, phase: str) -> int:
+    return {
+        "train": config.train.num_steps,
+        "l0": config.train.l0_steps,
+        "fixmask": config.train.fixmask_steps,
+    }[phase]
+
+
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str | os.PathLike
+) -> dict:
+    """Trains ``config``'s method in ``workdir`` (resuming if it holds a checkpoint).
+
+    Returns:
+      The final results (also written to ``workdir/results.json``).
+    """
+    from moddiffy_jax.data import TrainIterator
+
+    workdir = Path(workdir)
+    prepare_workdir(config, workdir)
+    wall_start = time.time()
+    ctx = build_context(config)
+    method = ctx.method
+    rng = jax.random.PRNGKey(config.seed)
+    init_rng, step_rng = jax.random.split(rng)
+    trainable, frozen = init_state(ctx, init_rng)
+    iterator = TrainIterator(
+        ctx.data.splits["train"],
+        batch_size=config.train.batch_size,
+        seed=config.seed,
+        shard_index=jax.process_index(),
+        shard_count=jax.process_count(),
+    )
+    ckpt = checkpoints.RunCheckpointer(
+        workdir / "checkpoints", max_to_keep=config.train.keep_checkpoints
+    )
+    writer = MetricWriter(workdir)
+    evaluator = Evaluator(ctx)
+
+    phases = method.phases
+    phase_index, phase_step, global_step = 0, 0, 0
+    restored_state = None
+    latest = ckpt.latest_step()
+    if latest is not None:
+        meta, sparse_idx = ckpt.restore_meta(latest)
+        phase_index = phases.index(meta["phase"])
+        phase_step, global_step = meta["phase_step"], meta["step"]
+        iterator.set_state(meta["iterator"])
+        if meta["phase"] == "fixmask":
+            trainable, frozen, _ = to_fixmask(ctx, trainable, frozen)
+            frozen["indices"] = jax.tree.map(jnp.asarray, sparse_idx)
+            trainable = _values_like(trainable, frozen["indices"], ctx)
+        restored_state = latest
+        logging.info("Resuming from step %d (phase %s).", latest, meta["phase"])
+
+    total_steps = sum(_phase_steps(config, p) for p in phases)
+    progress = _progress_bar(config, total_steps, global_step)
+    try:
+        for pi in range(phase_index, len(phases)):
+            phase = phases[pi]
+            substeps = method_registry.build_substeps(ctx, phase, trainable)
+            state = common.TrainState(
+                step=jnp.asarray(global_step, jnp.int32),
+                trainable=trainable,
+                opt_states=common.init_opt_states(substeps, trainable),
+            )
+            if restored_state is not None:
+                state = ckpt.restore_state(restored_state, state)
+                restored_state = None
+            state = parallel.replicate(state, ctx.mesh)
+            frozen = parallel.replicate(frozen, ctx.mesh)
+            step_fn = jax.jit(common.make_train_step(substeps), donate_argnums=(0,))
+            n_steps = _phase_steps(config, phase)
+            pending: list[Any] = []
+            interval_start, interval_first = time.time(), global_step
+            while phase_step < n_steps:
+                batch = parallel.shard_batch(next(iterator), ctx.mesh)
+                state, metrics = step_fn(state, frozen, batch, step_rng)
+                pending.append(metrics)
+                phase_step += 1
+                global_step += 1
+                progress.update(1)
+                at_end = phase_step == n_steps
+                save = at_end or global_step % config.train.checkpoint_every == 0
+                if save or global_step % config.train.log_every == 0:
+                    records = [
+                        {k: float(v) for k, v in m.items()}
+                        for m in jax.device_get(pending)
+                    ]
+                    _check_finite(records, interval_first + 1, ckpt, workdir)
+                    elapsed = max(time.time() - interval_start, 1e-9)
+                    mean = {
+                        k: float(np.mean([r[k] for r in records])) for k in records[0]
+                    }
+                    mean["examples_per_sec"] = (
+                        len(records) * config.train.batch_size / elapsed
+                    )
+                    writer.write(global_step, {"phase": phase, **mean})
+                    progress.set_postfix(
+                        phase=phase,
+                        loss=f"{mean.get('task/loss', next(iter(mean.values()))):.3f}",
+                        ex_s=f"{mean['examples_per_sec']:.0f}",
+                    )
+                    pending, interval_start, interval_first = (
+                        [],
+                        time.time(),
+                        global_step,
+                    )
+                if save:
+                    meta = {
+                        "phase": phase,
+                        "phase_step": phase_step,
+                        "step": global_step,
+                        "iterator": iterator.get_state(),
+                    }
+                    ckpt.save(
+                        global_step,
+                        state,
+                        meta,
+                        jax.device_get(frozen.get("indices", {})),
+                    )
+                if config.train.eval_every and (
+                    global_step % config.train.eval_every == 0 or at_end
+                ):
+                    _evaluate_during(
+                        ctx,
+                        evaluator,
+                        writer,
+                        state.trainable,
+                        frozen,
+                        phase,
+                        global_step,
+                    )
+                if (
+                    config.train.stop_at_step
+                    and global_step >= config.train.stop_at_step
+                ):
+                    ckpt.save(
+                        global_step,
+                        state,
+                        {
+                            "phase": phase,
+                            "phase_step": phase_step,
+                            "step": global_step,
+                            "iterator": iterator.get_state(),
+                        },
+                        jax.device_get(frozen.get("indices", {})),
+                    )
+                    ckpt.close()
+                    raise Preempted(global_step)
+            trainable = jax.device_get(state.trainable)
+            frozen = jax.device_get(frozen)
+            if pi + 1 < len(phases):
+                trainable, frozen, _ = to_fixmask(ctx, trainable, frozen)
+                phase_step = 0
+        ckpt.wait()
+    finally:
+        progress.close()
+        writer.close()
+    results = _finish(ctx, evaluator, workdir, trainable, frozen, phases[-1])
+    results["wall_time_s"] = time.time() - wall_start
+    checkpoints.write_json_atomic(workdir / "results.json", results)
+    ckpt.close()
+    return results
+
+
+class Preempted(RuntimeError):
+    """Raised when ``config.train.stop_at_step`` simulates a preemption."""
+
+    def __init__(self, step: int):
+        super().__init__(f"Stopped at step {step} (config.train.stop_at_step).")
+        self.step = step
+
+
+def _values_like(trainable: dict, indices: Mapping, ctx: Context) -> dict:
+    """Zero values shaped like the restored indices (targets for restoring)."""
+    for key in diff_keys(ctx.method, ctx.attributes):
+        idx = common.get_part(indices, key)
+        part = common.get_part(trainable, key)
+        dtype = jax.tree.leaves(part)[0].dtype
+        trainable = common.set_part(
+            trainable, key, jax.tree.map(lambda i, d=dtype: jnp.zeros(i.shape, d), idx)
+        )
+    return trainable
+
+
+def _progress_bar(config, total: int, initial: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=config.method.name,
+        disable=not config.train.progress,
+        dynamic_ncols=True,
+    )
+
+
+def _core_and_head(
+    ctx: Context, trainable: Mapping, frozen: Mapping
+) -> tuple[Any, Any]:
+    core = trainable["core"] if ctx.method.encoder == "full" else frozen["base"]
+    if ctx.method.encoder == "adapter":
+        core = selection.merge(core, trainable["adapters"])
+    head = trainable["task_head"] if "task_head" in trainable else frozen["task_head"]
+    return core, head
+
+
+def _evaluate_during(ctx, evaluator, writer, trainable, frozen, phase, step) -> None:
+    trainable, frozen = jax.device_get(trainable), jax.device_get(frozen)
+    core, head = _core_and_head(ctx, trainable, frozen)
+    sparse = sparse_diffs_of(ctx, trainable, frozen, phase)
+    rows = composition_table(ctx, evaluator, core, head, sparse, ("dev",))
+    record = {"phase": phase}
+    for label, row in rows.items():
+        record[f"eval/{label}/dev_task_acc"] = row["dev_task_acc"]
+    for name, sd in sparse.items():
+        record[f"eval/diff/{name}/density"] = float(sd.density())
+    writer.write(step, record)
+
+
+def _finish(ctx, evaluator, workdir: Path, trainable, frozen, phase) -> dict:
+    core, head = _core_and_head(ctx, trainable, frozen)
+    export = workdir / "export"
+    fp = diffs_lib.fingerprint(core)
+    meta = {"fingerprint": fp, "method": ctx.method.name}
+    checkpoints.save_params(
+        export / "core.safetensors", core, metadata=meta, overwrite=True
+    )
+    checkpoints.save_params(
+        export / "task_head.safetensors", head, metadata=meta, overwrite=True
+    )
+    sparse = sparse_diffs_of(ctx, trainable, frozen, phase)
+    diff_info = {}
+    for name, sd in sparse.items():
+        path = export / "diffs" / f"{name}.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        diffs_lib.save_sparse_diff(path, sd, overwrite=True)
+        diff_info[name] = {
+            "nnz": int(sd.nnz()),
+            "num_selected": int(sd.num_selected()),
+            "density": float(sd.density()),
+            "file_bytes": path.stat().st_size,
+            "path": str(path),
+        }
+    rows = composition_table(ctx, evaluator, core, head, sparse, ("dev", "test"))
+    return {
+        "method": ctx.method.name,
+        "dataset": ctx.data.name,
+        "synthetic": bool(ctx.data.synthetic),
+        "attributes": list(ctx.attributes),
+        "core_params": int(sum(np.size(x) for x in jax.tree.leaves(core))),
+        "core_fingerprint": fp,
+        "composition": rows,
+        "diffs": diff_info,
+    }
