@@ -1,0 +1,775 @@
+"""Attacker probes on frozen representations (the paper's leakage protocol).
+
+Spec section 8 / 13.9: for each protected attribute, train a fresh ensemble
+of ``K = 5`` MLP heads (``Dropout -> Linear(H, H) -> Tanh -> Dropout ->
+Linear(H, C)``, torch ``nn.Linear`` init) on frozen train-split embeddings,
+with AdamW (lr 1e-4, weight decay 0.01), batch 64, shuffled each epoch, for
+40 epochs; report balanced accuracy at the epoch with the lowest probe dev
+loss; mean and std over seeds.
+
+:func:`train_probe_ensemble` runs every seed and every member in one jitted
+program: ``jit(vmap_seeds(scan_epochs(vmap_members(train_epoch))))``. All
+``max_epochs`` are trained and per-epoch dev loss and confusion matrices are
+recorded; the reported epoch is chosen afterwards on the host by
+:func:`select_best_epoch`, which gives exactly the epoch that patience-based
+early stopping would have kept (``patience=None`` gives the reference's
+plain argmin over all epochs, since its early stopping is commented out).
+
+Definitions used throughout:
+
+* **Dev loss** of a seed at an epoch: mean over the ``K`` members of each
+  member's mean cross-entropy on the dev split (the reference's ensemble loss
+  is the mean over heads).
+* **Best epoch**: :func:`select_best_epoch` on that dev-loss curve.
+* **Headline balanced accuracy** ("the best probe"): the ensemble's majority
+  vote (ties to the smallest class id, like ``torch.mode``) at the best
+  epoch. This is what the reference logs and the notebook reads. Also
+  reported: each member's balanced accuracy and that of the *best member*,
+  the member with the lowest dev loss at the best epoch.
+* **Mean/std over seeds**: ``np.mean`` / ``np.std(ddof=1)`` (sample std, as
+  ``pandas.Series.std``); ``NaN`` stays ``NaN``.
+
+Batching: each epoch draws ``jax.random.permutation`` from a per-seed key
+(shared by the members of a seed, as one torch DataLoader feeds the whole
+reference ensemble); the last partial batch is padded with zero-weight
+examples, so every example is seen once per epoch and the last batch's loss
+is the mean over its real examples (torch ``drop_last=False``).
+
+Undefined results: a training split with fewer than two classes raises
+``ValueError``. A dev or test split with fewer than two classes gets ``NaN``
+balanced accuracy and a line in ``notes`` (dev loss and early stopping still
+work).
+
+Binary attributes use two logits and softmax cross-entropy (see
+``moddiffy_jax.models.heads``); ``class_weighted=True`` weights examples by
+``N / (C * n_c)`` from train counts, for every number of classes (the
+reference applies this ``pos_weight`` only to binary attributes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from moddiffy_jax.eval import metrics
+from moddiffy_jax.models.heads import ClassifierHead
+from moddiffy_jax.objectives.classification import cross_entropy, majority_vote
+
+__all__ = [
+    "LinearProbeResult",
+    "ProbeConfig",
+    "ProbeResult",
+    "fit_logistic_regression",
+    "linear_probe",
+    "select_best_epoch",
+    "train_probe_ensemble",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeConfig:
+    """Hyperparameters of the probe ensemble (defaults: the paper's attacker).
+
+    Attributes:
+      members: Ensemble size ``K``.
+      hidden: Hidden ``Dense+Tanh`` layers per member (width = input width).
+      dropout: Dropout rate before every Dense (on in training only).
+      lr: AdamW learning rate (constant).
+      weight_decay: AdamW decoupled weight decay (torch default 0.01).
+      batch_size: Training batch size.
+      max_epochs: Epochs trained (all of them; see :func:`select_best_epoch`).
+      patience: Early-stopping patience on dev loss; ``None`` = argmin over
+        all epochs (the reference, whose early stopping is commented out).
+      seeds: One independent run (init, dropout, shuffling) per seed.
+      class_weighted: Weight the loss by ``N / (C * n_c)`` (train counts).
+      eval_batch_size: Chunk size for dev/test evaluation inside the program.
+    """
+
+    members: int = 5
+    hidden: int = 1
+    dropout: float = 0.3
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    batch_size: int = 64
+    max_epochs: int = 40
+    patience: int | None = 5
+    seeds: tuple[int, ...] = (0, 1, 2)
+    class_weighted: bool = False
+    eval_batch_size: int = 1024
+
+    def __post_init__(self):
+        if self.members < 1 or self.batch_size < 1 or self.max_epochs < 1:
+            raise ValueError(f"members, batch_size, max_epochs must be >= 1: {self}")
+        if not self.seeds:
+            raise ValueError("ProbeConfig.seeds is empty.")
+        if self.patience is not None and self.patience < 1:
+            raise ValueError(f"patience must be >= 1 or None, got {self.patience}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeResult:
+    """Outcome of :func:`train_probe_ensemble` (host numpy arrays).
+
+    ``S`` = number of seeds, ``E`` = max_epochs, ``K`` = members. Epochs are
+    0-based. Balanced accuracies are ``NaN`` when undefined (see ``notes``).
+
+    Attributes:
+      seeds: [S] the seeds.
+      best_epoch: [S] int, the epoch reported (see :func:`select_best_epoch`).
+      stop_epoch: [S] int, the last epoch early stopping would have trained.
+      best_dev_loss: [S] ensemble dev loss at ``best_epoch``.
+      dev_balanced_accuracy: [S] majority-vote balanced accuracy (headline).
+      test_balanced_accuracy: [S] majority-vote balanced accuracy (headline).
+      dev_accuracy: [S] majority-vote accuracy.
+      test_accuracy: [S] majority-vote accuracy.
+      best_member: [S] int, member with the lowest dev loss at ``best_epoch``.
+      best_member_dev_balanced_accuracy: [S].
+      best_member_test_balanced_accuracy: [S].
+      member_dev_balanced_accuracy: [S, K] at ``best_epoch``.
+      member_test_balanced_accuracy: [S, K] at ``best_epoch``.
+      history: Per-epoch curves: ``train_loss`` [S, E, K], ``dev_loss``
+        [S, E, K], ``test_loss`` [S, E, K], ``dev_balanced_accuracy`` and
+        ``test_balanced_accuracy`` [S, E] (vote), ``dev_accuracy`` and
+        ``test_accuracy`` [S, E] (vote), ``dev_member_balanced_accuracy`` and
+        ``test_member_balanced_accuracy`` [S, E, K].
+      notes: Human-readable reasons for any ``NaN``.
+    """
+
+    seeds: np.ndarray
+    best_epoch: np.ndarray
+    stop_epoch: np.ndarray
+    best_dev_loss: np.ndarray
+    dev_balanced_accuracy: np.ndarray
+    test_balanced_accuracy: np.ndarray
+    dev_accuracy: np.ndarray
+    test_accuracy: np.ndarray
+    best_member: np.ndarray
+    best_member_dev_balanced_accuracy: np.ndarray
+    best_member_test_balanced_accuracy: np.ndarray
+    member_dev_balanced_accuracy: np.ndarray
+    member_test_balanced_accuracy: np.ndarray
+    history: Mapping[str, np.ndarray]
+    notes: tuple[str, ...] = ()
+
+    _SUMMARISED = (
+        "dev_balanced_accuracy",
+        "test_balanced_accuracy",
+        "dev_accuracy",
+        "test_accuracy",
+        "best_member_dev_balanced_accuracy",
+        "best_member_test_balanced_accuracy",
+        "best_epoch",
+        "best_dev_loss",
+    )
+
+    def summary(self) -> dict[str, float]:
+        """Mean and sample std over seeds: ``{"<field>/mean": .., "<field>/std": ..}``.
+
+        The std of a single seed is ``NaN``.
+        """
+        out = {}
+        for name in self._SUMMARISED:
+            mean, std = _mean_std(getattr(self, name))
+            out[f"{name}/mean"] = mean
+            out[f"{name}/std"] = std
+        return out
+
+
+def _mean_std(values) -> tuple[float, float]:
+    values = np.asarray(values, dtype=np.float64)
+    mean = float(np.mean(values))
+    std = float(np.std(values, ddof=1)) if values.size > 1 else float("nan")
+    return mean, std
+
+
+def select_best_epoch(dev_losses, *, patience: int | None) -> tuple[int, int]:
+    """The epoch early stopping on dev loss keeps.
+
+    Training runs epoch by epoch; an epoch *improves* when its loss is strictly
+    below every earlier one. After ``patience`` consecutive epochs without
+    improvement training stops; the kept epoch is the best one up to that
+    point. Without a stop it is the argmin over all epochs (first on ties).
+    Equivalent reference loop::
+
+        best, best_epoch, wait = inf, 0, 0
+        for epoch, loss in enumerate(dev_losses):
+            if loss < best:
+                best, best_epoch, wait = loss, epoch, 0
+            else:
+                wait += 1
+                if patience is not None and wait >= patience:
+                    break
+
+    A ``NaN`` loss never improves.
+
+    Args:
+      dev_losses: [E] per-epoch dev losses.
+      patience: Epochs without improvement before stopping; ``None`` = never.
+
+    Returns:
+      ``(best_epoch, stop_epoch)``, 0-based; ``stop_epoch`` is the last epoch
+      trained (``E - 1`` without a stop).
+    """
+    losses = np.asarray(dev_losses, dtype=np.float64)
+    if losses.ndim != 1 or losses.size == 0:
+        raise ValueError(f"dev_losses must be a non-empty 1-D array: {losses.shape}.")
+    prev_best = np.concatenate([[np.inf], np.minimum.accumulate(_nan_to_inf(losses))])
+    improved = losses < prev_best[:-1]
+    improved[0] = True  # The first epoch is always the best so far.
+    epochs = np.arange(losses.size)
+    last_improved = np.maximum.accumulate(np.where(improved, epochs, 0))
+    stop_epoch = losses.size - 1
+    if patience is not None:
+        stopped = np.nonzero(epochs - last_improved >= patience)[0]
+        if stopped.size:
+            stop_epoch = int(stopped[0])
+    return int(last_improved[stop_epoch]), stop_epoch
+
+
+def _nan_to_inf(x: np.ndarray) -> np.ndarray:
+    return np.where(np.isnan(x), np.inf, x)
+
+
+# --------------------------------------------------------------------------
+# Input checks.
+
+
+def _check_split(h, y, num_classes: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+    h = np.asarray(h)
+    y = np.asarray(y)
+    if h.ndim != 2 or y.ndim != 1:
+        raise ValueError(
+            f"{name}: h must be [N, H] and y [N], got {h.shape}, {y.shape}."
+        )
+    if h.shape[0] != y.shape[0]:
+        raise ValueError(f"{name}: h has {h.shape[0]} rows but y has {y.shape[0]}.")
+    if h.shape[0] == 0:
+        raise ValueError(f"{name} split is empty.")
+    if not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"{name}: labels must be integers, got {y.dtype}.")
+    if y.min() < 0 or y.max() >= num_classes:
+        raise ValueError(f"{name}: labels outside [0, {num_classes}).")
+    if not np.all(np.isfinite(h)):
+        raise ValueError(f"{name}: representations contain NaN or inf.")
+    return h.astype(np.float32), y.astype(np.int32)
+
+
+def _check_splits(splits: dict, num_classes: int) -> tuple[dict, list[str]]:
+    if num_classes < 2:
+        raise ValueError(f"num_classes must be >= 2, got {num_classes}.")
+    checked = {k: _check_split(*v, num_classes, k) for k, v in splits.items()}
+    widths = {h.shape[1] for h, _ in checked.values()}
+    if len(widths) != 1:
+        raise ValueError(f"Splits differ in feature width: {widths}.")
+    n_train_classes = np.unique(checked["train"][1]).size
+    if n_train_classes < 2:
+        raise ValueError(
+            "train split has a single class: a probe cannot be trained and "
+            "balanced accuracy is undefined."
+        )
+    notes = []
+    for k, (_, y) in checked.items():
+        if k != "train" and np.unique(y).size < 2:
+            notes.append(f"{k} balanced_accuracy undefined: one class in {k} split.")
+    return checked, notes
+
+
+def _class_weights(y: np.ndarray, num_classes: int, enabled: bool) -> np.ndarray:
+    """``N / (C * n_c)`` (sklearn "balanced"); 1 everywhere when disabled."""
+    if not enabled:
+        return np.ones(num_classes, np.float32)
+    counts = np.bincount(y, minlength=num_classes).astype(np.float64)
+    weights = y.size / (num_classes * np.maximum(counts, 1))
+    return weights.astype(np.float32)
+
+
+def _pad_to_chunks(h: np.ndarray, y: np.ndarray, chunk: int):
+    """[N, H], [N] -> [n, chunk, H], [n, chunk], mask [n, chunk]."""
+    chunk = min(chunk, h.shape[0])
+    n = -(-h.shape[0] // chunk)
+    pad = n * chunk - h.shape[0]
+    mask = np.concatenate([np.ones(h.shape[0], bool), np.zeros(pad, bool)])
+    h = np.concatenate([h, np.zeros((pad, h.shape[1]), h.dtype)])
+    y = np.concatenate([y, np.zeros(pad, y.dtype)])
+    return (
+        h.reshape(n, chunk, -1),
+        y.reshape(n, chunk),
+        mask.reshape(n, chunk),
+    )
+
+
+# --------------------------------------------------------------------------
+# The jitted program.
+
+
+def _make_head(config: ProbeConfig, num_classes: int) -> ClassifierHead:
+    return ClassifierHead(
+        num_outputs=num_classes, num_hidden=config.hidden, dropout=config.dropout
+    )
+
+
+def _make_tx(config: ProbeConfig) -> optax.GradientTransformation:
+    return optax.adamw(config.lr, weight_decay=config.weight_decay)
+
+
+def _train_one_epoch(
+    params,
+    opt_state,
+    dropout_key: jax.Array,
+    batch_idx: jax.Array,
+    batch_mask: jax.Array,
+    train_h: jax.Array,
+    train_y: jax.Array,
+    class_w: jax.Array,
+    epoch: jax.Array,
+    *,
+    head: ClassifierHead,
+    tx: optax.GradientTransformation,
+):
+    """One epoch of one probe (one member of one seed).
+
+    Args:
+      params: The member's head params.
+      opt_state: Its AdamW state.
+      dropout_key: The member's dropout key.
+      batch_idx: [num_batches, B] int indices into the train split.
+      batch_mask: [num_batches, B] bool, False for padding.
+      train_h: [N, H] train representations.
+      train_y: [N] int labels.
+      class_w: [C] per-class loss weights.
+      epoch: Scalar int epoch index (folds into the dropout key).
+      head: The head module.
+      tx: The optimizer.
+
+    Returns:
+      ``(params, opt_state, mean train loss over batches)``.
+    """
+    num_batches = batch_idx.shape[0]
+
+    def loss_fn(p, x, y, w, rng):
+        logits = head.apply(
+            {"params": p}, x, deterministic=False, rngs={"dropout": rng}
+        )
+        return cross_entropy(logits, y, w)
+
+    def step(carry, xs):
+        p, s = carry
+        idx, mask, i = xs
+        y = train_y[idx]
+        w = mask.astype(jnp.float32) * class_w[y]
+        rng = jax.random.fold_in(dropout_key, epoch * num_batches + i)
+        loss, grads = jax.value_and_grad(loss_fn)(p, train_h[idx], y, w, rng)
+        updates, s = tx.update(grads, s, p)
+        return (optax.apply_updates(p, updates), s), loss
+
+    (params, opt_state), losses = jax.lax.scan(
+        step, (params, opt_state), (batch_idx, batch_mask, jnp.arange(num_batches))
+    )
+    return params, opt_state, jnp.mean(losses)
+
+
+def _evaluate_ensemble(params, h, y, mask, class_w, *, head, num_classes):
+    """Dev/test statistics of one seed's ensemble.
+
+    Args:
+      params: Member params with a leading [K] axis.
+      h: [n, chunk, H] padded representations.
+      y: [n, chunk] labels.
+      mask: [n, chunk] bool, False for padding.
+      class_w: [C] loss weights.
+      head: The head module.
+      num_classes: ``C``.
+
+    Returns:
+      ``(loss [K], confusion [K + 1, C, C])``; row ``K`` of the confusion is
+      the majority vote.
+    """
+    apply = jax.vmap(lambda p, x: head.apply({"params": p}, x), in_axes=(0, None))
+
+    def body(carry, xs):
+        loss_sum, weight_sum, conf = carry
+        x, yy, m = xs
+        logits = apply(params, x)  # [K, chunk, C]
+        w = m.astype(jnp.float32) * class_w[yy]
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, yy[None])
+        preds = jnp.concatenate(
+            [jnp.argmax(logits, -1), majority_vote(logits)[None]], axis=0
+        )  # [K + 1, chunk]
+        cells = jnp.where(m, yy * num_classes + preds, num_classes**2)
+        counts = jax.nn.one_hot(cells, num_classes**2, dtype=jnp.int32).sum(axis=1)
+        conf = conf + counts.reshape(-1, num_classes, num_classes)
+        return (loss_sum + ce @ w, weight_sum + w.sum(), conf), None
+
+    k = jax.tree.leaves(params)[0].shape[0]
+    init = (
+        jnp.zeros(k),
+        jnp.zeros(()),
+        jnp.zeros((k + 1, num_classes, num_classes), jnp.int32),
+    )
+    (loss_sum, weight_sum, conf), _ = jax.lax.scan(body, init, (h, y, mask))
+    return loss_sum / weight_sum, conf
+
+
+def _run_one_seed(seed, data, *, config: ProbeConfig, num_classes: int):
+    """Trains and evaluates one seed's ensemble for ``max_epochs`` epochs.
+
+    Args:
+      seed: Scalar int seed.
+      data: Dict of device arrays (train/dev/test, class weights).
+      config: Static hyperparameters.
+      num_classes: ``C``.
+
+    Returns:
+      Per-epoch history dict, every leaf with a leading [E] axis.
+    """
+    head = _make_head(config, num_classes)
+    tx = _make_tx(config)
+    train_h, train_y = data["train_h"], data["train_y"]
+    n, width = train_h.shape
+    bs = config.batch_size
+    num_batches = -(-n // bs)
+
+    init_key, dropout_key, shuffle_key = jax.random.split(jax.random.key(seed), 3)
+    member_init = jax.random.split(init_key, config.members)
+    member_dropout = jax.random.split(dropout_key, config.members)
+    dummy = jnp.zeros((1, width), jnp.float32)
+    params = jax.vmap(lambda k: head.init(k, dummy)["params"])(member_init)
+    opt_state = jax.vmap(tx.init)(params)
+
+    train_members = jax.vmap(
+        functools.partial(_train_one_epoch, head=head, tx=tx),
+        in_axes=(0, 0, 0, None, None, None, None, None, None),
+    )
+    evaluate = functools.partial(_evaluate_ensemble, head=head, num_classes=num_classes)
+
+    def epoch_fn(carry, epoch):
+        params, opt_state = carry
+        perm = jax.random.permutation(jax.random.fold_in(shuffle_key, epoch), n)
+        pad = num_batches * bs - n
+        idx = jnp.concatenate([perm, jnp.zeros(pad, perm.dtype)]).reshape(-1, bs)
+        mask = (jnp.arange(num_batches * bs) < n).reshape(-1, bs)
+        params, opt_state, train_loss = train_members(
+            params,
+            opt_state,
+            member_dropout,
+            idx,
+            mask,
+            train_h,
+            train_y,
+            data["class_w"],
+            epoch,
+        )
+        record = {"train_loss": train_loss}
+        for split in ("dev", "test"):
+            loss, conf = evaluate(
+                params,
+                data[f"{split}_h"],
+                data[f"{split}_y"],
+                data[f"{split}_mask"],
+                data["class_w"],
+            )
+            record[f"{split}_loss"] = loss
+            record[f"{split}_confusion"] = conf
+        return (params, opt_state), record
+
+    _, history = jax.lax.scan(
+        epoch_fn, (params, opt_state), jnp.arange(config.max_epochs)
+    )
+    return history
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_classes"))
+def _probe_program(seeds, data, *, config: ProbeConfig, num_classes: int):
+    """All seeds x members in one program; leaves get a leading [S] axis."""
+    run = functools.partial(_run_one_seed, config=config, num_classes=num_classes)
+    return jax.vmap(run, in_axes=(0, None))(seeds, data)
+
+
+def train_probe_ensemble(
+    train_h,
+    train_y,
+    dev_h,
+    dev_y,
+    test_h,
+    test_y,
+    *,
+    num_classes: int,
+    config: ProbeConfig = ProbeConfig(),
+) -> ProbeResult:
+    """Trains the probe ensemble for every seed and reports leakage.
+
+    One jitted program trains all ``len(config.seeds) * config.members`` MLP
+    probes; it is compiled once per (shapes, num_classes, hyperparameters),
+    not per seed: seeds and patience are runtime values.
+
+    Args:
+      train_h: [N_train, H] frozen train representations.
+      train_y: [N_train] int attribute labels in ``[0, num_classes)``.
+      dev_h: [N_dev, H] dev representations (early stopping).
+      dev_y: [N_dev] int labels.
+      test_h: [N_test, H] test representations.
+      test_y: [N_test] int labels.
+      num_classes: Number of attribute values ``C >= 2``.
+      config: Probe hyperparameters.
+
+    Returns:
+      A :class:`ProbeResult`; ``result.summary()`` gives mean/std over seeds.
+
+    Raises:
+      ValueError: On malformed inputs, empty splits, or a train split with a
+        single class.
+    """
+    splits, notes = _check_splits(
+        {"train": (train_h, train_y), "dev": (dev_h, dev_y), "test": (test_h, test_y)},
+        num_classes,
+    )
+    class_w = _class_weights(splits["train"][1], num_classes, config.class_weighted)
+    data: dict[str, Any] = {
+        "train_h": splits["train"][0],
+        "train_y": splits["train"][1],
+        "class_w": class_w,
+    }
+    for split in ("dev", "test"):
+        h, y, mask = _pad_to_chunks(*splits[split], config.eval_batch_size)
+        data.update({f"{split}_h": h, f"{split}_y": y, f"{split}_mask": mask})
+    static = dataclasses.replace(config, seeds=(0,), patience=None)
+    seeds = np.asarray(config.seeds, np.int32)
+    history = jax.device_get(
+        _probe_program(seeds, data, config=static, num_classes=num_classes)
+    )
+    return _summarise(history, seeds, config, notes)
+
+
+def _summarise(history, seeds, config: ProbeConfig, notes) -> ProbeResult:
+    """Host side: balanced accuracies from confusions, epoch selection."""
+    hist = {
+        "train_loss": np.asarray(history["train_loss"]),
+        "dev_loss": np.asarray(history["dev_loss"]),
+        "test_loss": np.asarray(history["test_loss"]),
+    }
+    for split in ("dev", "test"):
+        conf = np.asarray(history[f"{split}_confusion"])  # [S, E, K + 1, C, C]
+        bacc = metrics.balanced_accuracy_from_confusion(conf)
+        hist[f"{split}_balanced_accuracy"] = bacc[..., -1]
+        hist[f"{split}_member_balanced_accuracy"] = bacc[..., :-1]
+        hist[f"{split}_accuracy"] = metrics.accuracy_from_confusion(conf[..., -1, :, :])
+
+    ensemble_dev_loss = hist["dev_loss"].mean(axis=-1)  # [S, E]
+    picked = [select_best_epoch(c, patience=config.patience) for c in ensemble_dev_loss]
+    best = np.array([b for b, _ in picked])
+    stop = np.array([s for _, s in picked])
+    rows = np.arange(len(seeds))
+    member_dev_loss = hist["dev_loss"][rows, best]  # [S, K]
+    best_member = np.argmin(_nan_to_inf(member_dev_loss), axis=-1)
+    member_dev = hist["dev_member_balanced_accuracy"][rows, best]
+    member_test = hist["test_member_balanced_accuracy"][rows, best]
+    return ProbeResult(
+        seeds=seeds,
+        best_epoch=best,
+        stop_epoch=stop,
+        best_dev_loss=ensemble_dev_loss[rows, best],
+        dev_balanced_accuracy=hist["dev_balanced_accuracy"][rows, best],
+        test_balanced_accuracy=hist["test_balanced_accuracy"][rows, best],
+        dev_accuracy=hist["dev_accuracy"][rows, best],
+        test_accuracy=hist["test_accuracy"][rows, best],
+        best_member=best_member,
+        best_member_dev_balanced_accuracy=member_dev[rows, best_member],
+        best_member_test_balanced_accuracy=member_test[rows, best_member],
+        member_dev_balanced_accuracy=member_dev,
+        member_test_balanced_accuracy=member_test,
+        history=hist,
+        notes=tuple(notes),
+    )
+
+
+# --------------------------------------------------------------------------
+# Linear probe: multinomial logistic regression.
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearProbeResult:
+    """Outcome of :func:`linear_probe`.
+
+    Attributes:
+      dev_balanced_accuracy: Balanced accuracy on dev (``NaN`` if undefined).
+      test_balanced_accuracy: Balanced accuracy on test (``NaN`` if undefined).
+      dev_accuracy: Accuracy on dev.
+      test_accuracy: Accuracy on test.
+      kernel: [H, C] weights.
+      bias: [C] biases.
+      num_steps: L-BFGS iterations run.
+      converged: Whether the gradient norm reached ``tol``.
+      notes: Reasons for any ``NaN``.
+    """
+
+    dev_balanced_accuracy: float
+    test_balanced_accuracy: float
+    dev_accuracy: float
+    test_accuracy: float
+    kernel: np.ndarray
+    bias: np.ndarray
+    num_steps: int
+    converged: bool
+    notes: tuple[str, ...] = ()
+
+    def summary(self) -> dict[str, float]:
+        """The four scalar metrics as a flat dict."""
+        return {
+            "dev_balanced_accuracy": self.dev_balanced_accuracy,
+            "test_balanced_accuracy": self.test_balanced_accuracy,
+            "dev_accuracy": self.dev_accuracy,
+            "test_accuracy": self.test_accuracy,
+        }
+
+
+@functools.partial(jax.jit, static_argnames=("num_classes", "max_steps"))
+def _fit_lbfgs(x, y, class_w, l2, tol, *, num_classes: int, max_steps: int):
+    """Full-batch L-BFGS (zoom line search) on L2-penalised softmax regression."""
+    width = x.shape[1]
+
+    def loss_fn(p):
+        logits = x @ p["kernel"] + p["bias"]
+        return cross_entropy(logits, y, class_w[y]) + 0.5 * l2 * jnp.sum(
+            p["kernel"] ** 2
+        )
+
+    opt = optax.lbfgs()
+    value_and_grad = optax.value_and_grad_from_state(loss_fn)
+    params = {
+        "kernel": jnp.zeros((width, num_classes), jnp.float32),
+        "bias": jnp.zeros((num_classes,), jnp.float32),
+    }
+
+    def cond(carry):
+        _, _, step, grad_norm = carry
+        return (step < max_steps) & (grad_norm > tol)
+
+    def body(carry):
+        p, state, step, _ = carry
+        value, grad = value_and_grad(p, state=state)
+        updates, state = opt.update(
+            grad, state, p, value=value, grad=grad, value_fn=loss_fn
+        )
+        return optax.apply_updates(p, updates), state, step + 1, optax.tree.norm(grad)
+
+    init = (params, opt.init(params), jnp.zeros((), jnp.int32), jnp.array(jnp.inf))
+    params, _, steps, _ = jax.lax.while_loop(cond, body, init)
+    final_grad_norm = optax.tree.norm(jax.grad(loss_fn)(params))
+    return params, steps, final_grad_norm
+
+
+def fit_logistic_regression(
+    h,
+    y,
+    *,
+    num_classes: int,
+    l2: float = 1e-3,
+    max_steps: int = 500,
+    tol: float = 1e-5,
+    class_weighted: bool = False,
+) -> tuple[np.ndarray, np.ndarray, int, bool]:
+    """Multinomial logistic regression, full batch, L-BFGS.
+
+    Minimises ``mean_i CE(h_i @ W + b, y_i) + l2 / 2 * ||W||^2`` (the bias is
+    not penalised) from ``W = 0, b = 0``; deterministic. With ``l2 > 0`` the
+    rows of the optimum satisfy ``sum_c W[:, c] = 0``.
+
+    Args:
+      h: [N, H] float features.
+      y: [N] int labels in ``[0, num_classes)``.
+      num_classes: ``C``.
+      l2: L2 penalty on the kernel.
+      max_steps: L-BFGS iteration cap.
+      tol: Stop when the gradient norm falls to ``tol``.
+      class_weighted: Weight the loss by ``N / (C * n_c)``.
+
+    Returns:
+      ``(kernel [H, C], bias [C], num_steps, converged)``.
+    """
+    h, y = _check_split(h, y, num_classes, "train")
+    class_w = _class_weights(y, num_classes, class_weighted)
+    params, steps, grad_norm = _fit_lbfgs(
+        h, y, class_w, l2, tol, num_classes=num_classes, max_steps=max_steps
+    )
+    params = jax.device_get(params)
+    return (
+        np.asarray(params["kernel"]),
+        np.asarray(params["bias"]),
+        int(steps),
+        bool(grad_norm <= tol) or int(steps) < max_steps,
+    )
+
+
+def linear_probe(
+    train_h,
+    train_y,
+    dev_h,
+    dev_y,
+    test_h,
+    test_y,
+    *,
+    num_classes: int,
+    l2: float = 1e-3,
+    max_steps: int = 500,
+    tol: float = 1e-5,
+    class_weighted: bool = False,
+) -> LinearProbeResult:
+    """Linear (logistic-regression) probe; see :func:`fit_logistic_regression`.
+
+    Args:
+      train_h: [N_train, H] representations.
+      train_y: [N_train] int labels in ``[0, num_classes)``.
+      dev_h: [N_dev, H].
+      dev_y: [N_dev].
+      test_h: [N_test, H].
+      test_y: [N_test].
+      num_classes: ``C >= 2``.
+      l2: L2 penalty on the kernel.
+      max_steps: L-BFGS iteration cap.
+      tol: Gradient-norm tolerance.
+      class_weighted: Weight the loss by ``N / (C * n_c)``.
+
+    Returns:
+      A :class:`LinearProbeResult`.
+
+    Raises:
+      ValueError: On malformed inputs, empty splits, or a single-class train
+        split. A single-class dev/test split gives ``NaN`` and a note.
+    """
+    splits, notes = _check_splits(
+        {"train": (train_h, train_y), "dev": (dev_h, dev_y), "test": (test_h, test_y)},
+        num_classes,
+    )
+    kernel, bias, steps, converged = fit_logistic_regression(
+        *splits["train"],
+        num_classes=num_classes,
+        l2=l2,
+        max_steps=max_steps,
+        tol=tol,
+        class_weighted=class_weighted,
+    )
+    if not converged:
+        notes.append(f"L-BFGS did not reach tol={tol} in {max_steps} steps.")
+    scores = {}
+    for split in ("dev", "test"):
+        h, y = splits[split]
+        pred = np.argmax(h @ kernel + bias, axis=-1)
+        scores[f"{split}_balanced_accuracy"] = metrics.balanced_accuracy(
+            y, pred, num_classes
+        )
+        scores[f"{split}_accuracy"] = metrics.accuracy(y, pred)
+    return LinearProbeResult(
+        **scores,
+        kernel=kernel,
+        bias=bias,
+        num_steps=steps,
+        converged=converged,
+        notes=tuple(notes),
+    )

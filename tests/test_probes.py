@@ -1,0 +1,239 @@
+"""Tests for moddiffy_jax.eval.probes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import chex
+import numpy as np
+import pytest
+
+from moddiffy_jax.eval import probes
+
+H = 8
+# Small and fast: 10 epochs of 8 batches, 3 members, 3 seeds.
+CONFIG = probes.ProbeConfig(
+    members=3, lr=3e-3, batch_size=32, max_epochs=10, patience=3, eval_batch_size=128
+)
+
+
+def _gaussian(n, rng, *, shift):
+    """Binary labels; class means at ``+-shift`` on feature 0."""
+    y = rng.integers(0, 2, n)
+    x = rng.normal(size=(n, H)).astype(np.float32)
+    x[:, 0] += shift * (2 * y - 1)
+    return x, y
+
+
+def _splits(shift, seed, sizes=(256, 256, 256)):
+    rng = np.random.default_rng(seed)
+    return [a for n in sizes for a in _gaussian(n, rng, shift=shift)]
+
+
+@pytest.fixture(scope="module")
+def separable():
+    return probes.train_probe_ensemble(*_splits(2.5, 0), num_classes=2, config=CONFIG)
+
+
+# ---------------------------------------------------------------------------
+# Early-stopping selection.
+
+
+def _reference_early_stopping(losses, patience):
+    best, best_epoch, wait, stop = math.inf, 0, 0, len(losses) - 1
+    for epoch, loss in enumerate(losses):
+        if loss < best:
+            best, best_epoch, wait = loss, epoch, 0
+        else:
+            wait += 1
+            if patience is not None and wait >= patience:
+                stop = epoch
+                break
+    return best_epoch, stop
+
+
+@pytest.mark.parametrize(
+    "losses, patience, expected",
+    [
+        ([5, 4, 3, 2, 1], 2, (4, 4)),
+        ([1, 2, 3, 4, 5], 2, (0, 2)),
+        # Stops at epoch 5 before seeing the later, lower minimum.
+        ([3, 2, 2.5, 2.1, 2.2, 2.3, 0.5, 0.1], 4, (1, 5)),
+        ([3, 2, 2.5, 2.1, 2.2, 2.3, 0.5, 0.1], None, (7, 7)),
+        # Ties do not improve; the first minimum is kept.
+        ([2, 1, 1, 1, 1], 5, (1, 4)),
+        ([2, 1, 1, 1], 2, (1, 3)),
+    ],
+)
+def test_select_best_epoch_cases(losses, patience, expected):
+    assert probes.select_best_epoch(losses, patience=patience) == expected
+    assert _reference_early_stopping(losses, patience) == expected
+
+
+def test_select_best_epoch_matches_reference_loop():
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        n = int(rng.integers(1, 30))
+        # A noisy decreasing-then-increasing curve, sometimes with ties.
+        losses = np.round(
+            (np.arange(n) - rng.integers(0, n)) ** 2 / 50 + rng.normal(size=n) * 0.3,
+            1 if trial % 2 else 6,
+        )
+        patience = [None, 1, 2, 5][trial % 4]
+        assert probes.select_best_epoch(
+            losses, patience=patience
+        ) == _reference_early_stopping(list(losses), patience), (losses, patience)
+
+
+# ---------------------------------------------------------------------------
+# The MLP-ensemble probe.
+
+
+def test_probe_on_separable_data(separable):
+    r = separable
+    s, e, k = 3, CONFIG.max_epochs, CONFIG.members
+    assert r.best_epoch.shape == (s,)
+    assert r.history["dev_loss"].shape == (s, e, k)
+    assert r.history["test_balanced_accuracy"].shape == (s, e)
+    assert r.member_test_balanced_accuracy.shape == (s, k)
+    assert np.all(r.test_balanced_accuracy > 0.9)
+    assert np.all(r.best_member_test_balanced_accuracy > 0.9)
+    assert r.notes == ()
+    # The reported epoch is the early-stopping pick on the ensemble dev loss.
+    for i in range(s):
+        curve = r.history["dev_loss"][i].mean(-1)
+        assert (r.best_epoch[i], r.stop_epoch[i]) == probes.select_best_epoch(
+            curve, patience=CONFIG.patience
+        )
+        bi = r.best_epoch[i]
+        assert r.test_balanced_accuracy[i] == r.history["test_balanced_accuracy"][i, bi]
+        m = r.best_member[i]
+        assert m == np.argmin(r.history["dev_loss"][i, bi])
+        assert (
+            r.best_member_test_balanced_accuracy[i]
+            == (r.history["test_member_balanced_accuracy"][i, bi, m])
+        )
+    # Training reduces the loss.
+    assert np.all(r.history["train_loss"][:, -1] < r.history["train_loss"][:, 0])
+
+
+def test_seeds_differ_and_summary(separable):
+    r = separable
+    # Different init, dropout and shuffling per seed.
+    curves = r.history["dev_loss"]
+    assert not np.allclose(curves[0], curves[1])
+    assert not np.allclose(curves[1], curves[2])
+    summary = r.summary()
+    vals = r.test_balanced_accuracy
+    assert summary["test_balanced_accuracy/mean"] == pytest.approx(vals.mean())
+    assert summary["test_balanced_accuracy/std"] == pytest.approx(vals.std(ddof=1))
+    assert "best_member_test_balanced_accuracy/mean" in summary
+    assert "best_epoch/std" in summary
+
+
+def test_probe_on_noise_labels_is_near_chance():
+    # Same shapes and config as `separable`: reuses its compiled program.
+    r = probes.train_probe_ensemble(*_splits(0.0, 1), num_classes=2, config=CONFIG)
+    assert abs(r.summary()["test_balanced_accuracy/mean"] - 0.5) < 0.08
+    assert np.all(np.abs(r.test_balanced_accuracy - 0.5) < 0.12)
+
+
+def test_one_program_for_all_seeds_and_members(monkeypatch):
+    """Unique shapes force a fresh compile; the per-probe epoch function is
+    traced once for all 3 seeds x 2 members, and not again for other seeds,
+    patience or data of the same shapes. A seed's run does not depend on
+    which other seeds share the program, or on its position."""
+    traced = chex.assert_max_traces(probes._train_one_epoch, n=1)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)  # Runs at trace time only.
+        return traced(*args, **kwargs)
+
+    monkeypatch.setattr(probes, "_train_one_epoch", counted)
+    config = dataclasses.replace(CONFIG, members=2, max_epochs=3, seeds=(0, 1, 2))
+    sizes = (96, 40, 24)
+    data = _splits(2.0, 2, sizes)
+    first = probes.train_probe_ensemble(*data, num_classes=2, config=config)
+    other = dataclasses.replace(config, seeds=(2, 7, 0), patience=None)
+    second = probes.train_probe_ensemble(*data, num_classes=2, config=other)
+    third = probes.train_probe_ensemble(
+        *_splits(2.0, 3, sizes), num_classes=2, config=config
+    )
+    assert len(calls) == 1
+    assert second.history["dev_loss"].shape == (3, 3, 2)
+    assert second.stop_epoch.tolist() == [2, 2, 2]
+    for a, b in ((0, 2), (2, 0)):
+        np.testing.assert_allclose(
+            first.history["dev_loss"][a], second.history["dev_loss"][b], rtol=1e-5
+        )
+    assert not np.allclose(first.history["dev_loss"], third.history["dev_loss"])
+
+
+def test_multiclass_and_class_weighted():
+    rng = np.random.default_rng(5)
+    means = 3.0 * np.eye(3, H)
+
+    def split(n):
+        y = rng.choice(3, n, p=[0.6, 0.3, 0.1])
+        return (rng.normal(size=(n, H)) + means[y]).astype(np.float32), y
+
+    config = dataclasses.replace(CONFIG, class_weighted=True, seeds=(0,), max_epochs=5)
+    r = probes.train_probe_ensemble(
+        *split(200), *split(100), *split(100), num_classes=3, config=config
+    )
+    assert r.test_balanced_accuracy[0] > 0.8
+    assert math.isnan(r.summary()["test_balanced_accuracy/std"])  # one seed
+
+
+def test_single_class_handling():
+    data = _splits(2.0, 6)
+    one = np.zeros(256, np.int64)
+    with pytest.raises(ValueError, match="single class"):
+        probes.train_probe_ensemble(
+            data[0], one, *data[2:], num_classes=2, config=CONFIG
+        )
+    with pytest.raises(ValueError, match="single class"):
+        probes.linear_probe(data[0], one, *data[2:], num_classes=2)
+    # A single-class test split: NaN and a note, never a number.
+    r = probes.linear_probe(*data[:4], data[4], np.ones(256, np.int64), num_classes=2)
+    assert math.isnan(r.test_balanced_accuracy)
+    assert not math.isnan(r.dev_balanced_accuracy)
+    assert any("test" in note for note in r.notes)
+    with pytest.raises(ValueError, match="outside"):
+        probes.linear_probe(*data[:4], data[4], np.full(256, 2), num_classes=2)
+    with pytest.raises(ValueError, match="empty"):
+        probes.linear_probe(*data[:4], data[4][:0], data[5][:0], num_classes=2)
+
+
+# ---------------------------------------------------------------------------
+# Linear probe.
+
+
+def test_linear_probe():
+    separable = probes.linear_probe(*_splits(2.5, 7), num_classes=2)
+    assert separable.converged and separable.notes == ()
+    assert separable.test_balanced_accuracy > 0.95
+    assert separable.kernel.shape == (H, 2) and separable.bias.shape == (2,)
+    # The informative feature dominates the learned direction.
+    direction = separable.kernel[:, 1] - separable.kernel[:, 0]
+    assert np.argmax(np.abs(direction)) == 0
+    noise = probes.linear_probe(*_splits(0.0, 8), num_classes=2)
+    assert abs(noise.test_balanced_accuracy - 0.5) < 0.1
+
+
+def test_logistic_regression_reaches_the_optimum():
+    x, y, *_ = _splits(1.0, 9)
+    l2 = 1e-2
+    kernel, bias, steps, converged = probes.fit_logistic_regression(
+        x, y, num_classes=2, l2=l2
+    )
+    assert converged and steps < 500
+    # Stationarity of mean CE + l2/2 |W|^2, by hand in float64.
+    logits = x.astype(np.float64) @ kernel + bias
+    prob = np.exp(logits - logits.max(-1, keepdims=True))
+    prob /= prob.sum(-1, keepdims=True)
+    resid = (prob - np.eye(2)[y]) / len(y)
+    np.testing.assert_allclose(x.T @ resid + l2 * kernel, 0.0, atol=1e-4)
+    np.testing.assert_allclose(resid.sum(0), 0.0, atol=1e-4)
