@@ -14,9 +14,11 @@ One concept per module:
 from moddiffy_jax.subnets.diffs import (
     FORMAT_VERSION,
     DiffState,
+    PackedDiffs,
     SparseDiff,
     apply_dense_diff,
     apply_diffs,
+    apply_packed,
     apply_sparse_values,
     check_base,
     dense_diff_values,
@@ -25,8 +27,10 @@ from moddiffy_jax.subnets.diffs import (
     init_diff,
     l0_penalty,
     load_sparse_diff,
+    pack_diffs,
     prune_to_sparsity,
     save_sparse_diff,
+    unpack,
 )
 from moddiffy_jax.subnets.hard_concrete import (
     HardConcrete,
@@ -81,9 +85,11 @@ __all__ = [
     # diffs
     "FORMAT_VERSION",
     "DiffState",
+    "PackedDiffs",
     "SparseDiff",
     "apply_dense_diff",
     "apply_diffs",
+    "apply_packed",
     "apply_sparse_values",
     "check_base",
     "dense_diff_values",
@@ -92,8 +98,10 @@ __all__ = [
     "init_diff",
     "l0_penalty",
     "load_sparse_diff",
+    "pack_diffs",
     "prune_to_sparsity",
     "save_sparse_diff",
+    "unpack",
     # modules
     "gates",
     "masks",
