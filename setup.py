@@ -30,6 +30,7 @@ setup(
         "grain>=0.2.18,<0.3",
         "tqdm>=4.60",
         "tensorboardX>=2.6",
+        "matplotlib>=3.7",
     ],
     extras_require={
         "dev": ["pytest>=8", "ruff>=0.6"],

@@ -50,6 +50,9 @@ def format_results(results: dict) -> str:
 
 def main(argv):
     del argv
+    if not FLAGS["verbosity"].present:
+        # Orbax and JAX log every checkpoint at INFO; -v 0 brings them back.
+        logging.set_verbosity(logging.WARNING)
     import jax
 
     if FLAGS.distributed:
@@ -61,6 +64,7 @@ def main(argv):
     if jax.process_index() == 0:
         print(format_results(results))
         logging.info("results: %s", json.dumps(results, indent=2))
+        print(f"results: {FLAGS.workdir}/results.json")
 
 
 if __name__ == "__main__":

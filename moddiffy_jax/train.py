@@ -86,7 +86,8 @@ def prepare_workdir(config: ml_collections.ConfigDict, workdir: Path) -> None:
                 f"{workdir} already holds a run with a different config ({details}). "
                 "Use a new --workdir, or delete this one if you no longer need it."
             )
-    checkpoints.write_json_atomic(path, new)
+    if jax.process_index() == 0:
+        checkpoints.write_json_atomic(path, new)
 
 
 class MetricWriter:
@@ -94,6 +95,9 @@ class MetricWriter:
 
     def __init__(self, workdir: Path):
         self.path = workdir / "metrics.jsonl"
+        self.tb = None
+        if jax.process_index() != 0:
+            return
         try:
             from tensorboardX import SummaryWriter
 
@@ -102,6 +106,8 @@ class MetricWriter:
             self.tb = None
 
     def write(self, step: int, record: Mapping[str, Any]) -> None:
+        if jax.process_index() != 0:
+            return
         record = {"step": int(step), **record}
         with self.path.open("a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
@@ -242,7 +248,11 @@ def init_state(ctx: Context, rng: jax.Array) -> tuple[dict, dict]:
         trainable["core"] = encoder
     elif method.encoder == "adapter":
         adapter_paths = selection.select_paths(encoder, model.adapter_rule)
-        trainable["adapters"] = selection.subtree(encoder, adapter_paths)
+        # Copies: the step donates the trainable buffers, which must not be
+        # shared with the frozen base.
+        trainable["adapters"] = jax.tree.map(
+            jnp.copy, selection.subtree(encoder, adapter_paths)
+        )
         frozen["base"] = encoder
     else:
         frozen["base"] = encoder
@@ -334,10 +344,15 @@ def to_fixmask(
             info={"method": ctx.method.name},
         )
         sparse[diff_name(key)] = sd
+        # Leaves with no kept entry are left out of the trained state (Orbax
+        # cannot store empty arrays); exports restore them from the rules.
+        kept = [p for p in sd.indices if np.size(sd.indices[p])]
         new_trainable = common.set_part(
-            new_trainable, key, selection.unflatten(dict(sd.values))
+            new_trainable, key, selection.unflatten({p: sd.values[p] for p in kept})
         )
-        indices = common.set_part(indices, key, selection.unflatten(dict(sd.indices)))
+        indices = common.set_part(
+            indices, key, selection.unflatten({p: sd.indices[p] for p in kept})
+        )
         del base
     new_frozen["indices"] = indices
     return new_trainable, new_frozen, sparse
@@ -372,12 +387,14 @@ def sparse_diffs_of(
         idx = selection.flatten(jax.device_get(common.get_part(frozen["indices"], key)))
         vals = selection.flatten(jax.device_get(part))
         flat_base = selection.flatten(base)
-        paths = [p for p in flat_base if p in idx]
+        paths = selection.select_paths(base, include, exclude=exclude)
+        dtype = np.asarray(next(iter(vals.values()))).dtype
+        empty_i, empty_v = np.zeros(0, np.int32), np.zeros(0, dtype)
         out[diff_name(key)] = diffs_lib.SparseDiff(
-            indices={p: np.asarray(idx[p], np.int32) for p in paths},
-            values={p: np.asarray(vals[p]) for p in paths},
+            indices={p: np.asarray(idx.get(p, empty_i), np.int32) for p in paths},
+            values={p: np.asarray(vals.get(p, empty_v)) for p in paths},
             shapes=tuple((p, tuple(np.shape(flat_base[p]))) for p in paths),
-            dtype=str(np.asarray(vals[paths[0]]).dtype),
+            dtype=str(dtype),
             name=diff_name(key),
             base_fingerprint=fp,
             rules=(include, exclude),
@@ -402,13 +419,20 @@ class Evaluator:
             return model.task_logits(head_params, h, None, False)
 
         self._logits = jax.jit(logits_fn)
-        self._compose = jax.jit(lambda base, ds, w: diffs_lib.apply_diffs(base, ds, w))
+        self._apply_packed = jax.jit(diffs_lib.apply_packed)
 
-    def compose(self, base: Any, diffs: Sequence[diffs_lib.SparseDiff]) -> Any:
+    def compose(
+        self,
+        base: Any,
+        diffs: Sequence[diffs_lib.SparseDiff],
+        weights: Sequence[float] | None = None,
+    ) -> Any:
+        """``base + sum_k w_k diff_k``; one compiled program for any weights."""
         if not diffs:
             return base
-        plain = [d.without_metadata() for d in diffs]
-        return self._compose(base, plain, jnp.ones(len(diffs), jnp.float32))
+        packed, _ = diffs_lib.pack_diffs(list(diffs))
+        w = jnp.asarray(weights if weights is not None else [1.0] * len(diffs))
+        return self._apply_packed(base, packed, w.astype(jnp.float32))
 
     def task_accuracy(self, enc_params: Any, head_params: Any, split: str) -> float:
         from moddiffy_jax.data import eval_batches
@@ -445,8 +469,10 @@ def composition_table(
     subsets = [()] + [
         c for r in range(1, len(names) + 1) for c in itertools.combinations(names, r)
     ]
+    attr_diffs = [sparse[n] for n in names]
     for subset in subsets:
-        params = evaluator.compose(base, [sparse[n] for n in subset])
+        weights = [1.0 if n in subset else 0.0 for n in names]
+        params = evaluator.compose(base, attr_diffs, weights) if names else base
         label = "core" if not subset else "core+" + "+".join(subset)
         rows[label] = {
             f"{s}_task_acc": evaluator.task_accuracy(params, head, s) for s in splits
@@ -471,7 +497,8 @@ def _check_finite(
                 else "no checkpoint had been written yet"
             )
             raise FloatingPointError(
-                f"Non-finite {', '.join(sorted(bad)[:4])} at step {first_step + offset}; "
+                f"Non-finite {', '.join(sorted(bad)[:4])} at step "
+                f"{first_step + offset}; "
                 f"training stopped and {kept}. Lower the learning rates "
                 "(config.optim.lr_*) or check the data."
             )
@@ -560,7 +587,13 @@ def train_and_evaluate(
                 global_step += 1
                 progress.update(1)
                 at_end = phase_step == n_steps
-                save = at_end or global_step % config.train.checkpoint_every == 0
+                # A simulated preemption (stop_at_step) saves like a periodic save.
+                stop = bool(config.train.stop_at_step) and (
+                    global_step >= config.train.stop_at_step
+                )
+                save = (
+                    at_end or stop or global_step % config.train.checkpoint_every == 0
+                )
                 if save or global_step % config.train.log_every == 0:
                     records = [
                         {k: float(v) for k, v in m.items()}
@@ -610,22 +643,8 @@ def train_and_evaluate(
                         phase,
                         global_step,
                     )
-                if (
-                    config.train.stop_at_step
-                    and global_step >= config.train.stop_at_step
-                ):
-                    ckpt.save(
-                        global_step,
-                        state,
-                        {
-                            "phase": phase,
-                            "phase_step": phase_step,
-                            "step": global_step,
-                            "iterator": iterator.get_state(),
-                        },
-                        jax.device_get(frozen.get("indices", {})),
-                    )
-                    ckpt.close()
+                    interval_start = time.time()  # throughput excludes eval
+                if stop:
                     raise Preempted(global_step)
             trainable = jax.device_get(state.trainable)
             frozen = jax.device_get(frozen)
@@ -634,12 +653,15 @@ def train_and_evaluate(
                 phase_step = 0
         ckpt.wait()
     finally:
+        # Waits for in-flight async saves, so an error (a NaN loss, a
+        # preemption) still leaves the last good checkpoint complete.
+        ckpt.close()
         progress.close()
         writer.close()
     results = _finish(ctx, evaluator, workdir, trainable, frozen, phases[-1])
     results["wall_time_s"] = time.time() - wall_start
-    checkpoints.write_json_atomic(workdir / "results.json", results)
-    ckpt.close()
+    if jax.process_index() == 0:
+        checkpoints.write_json_atomic(workdir / "results.json", results)
     return results
 
 
@@ -699,27 +721,35 @@ def _evaluate_during(ctx, evaluator, writer, trainable, frozen, phase, step) -> 
 
 
 def _finish(ctx, evaluator, workdir: Path, trainable, frozen, phase) -> dict:
+    """Exports core, head and diffs (process 0 writes) and evaluates them.
+
+    A finished run re-exports the same values when re-run (resume is exact),
+    so replacing its own export files loses nothing.
+    """
     core, head = _core_and_head(ctx, trainable, frozen)
     export = workdir / "export"
+    chief = jax.process_index() == 0
     fp = diffs_lib.fingerprint(core)
     meta = {"fingerprint": fp, "method": ctx.method.name}
-    checkpoints.save_params(
-        export / "core.safetensors", core, metadata=meta, overwrite=True
-    )
-    checkpoints.save_params(
-        export / "task_head.safetensors", head, metadata=meta, overwrite=True
-    )
     sparse = sparse_diffs_of(ctx, trainable, frozen, phase)
     diff_info = {}
+    if chief:
+        checkpoints.save_params(
+            export / "core.safetensors", core, metadata=meta, overwrite=True
+        )
+        checkpoints.save_params(
+            export / "task_head.safetensors", head, metadata=meta, overwrite=True
+        )
     for name, sd in sparse.items():
         path = export / "diffs" / f"{name}.safetensors"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        diffs_lib.save_sparse_diff(path, sd, overwrite=True)
+        if chief:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            diffs_lib.save_sparse_diff(path, sd, overwrite=True)
         diff_info[name] = {
             "nnz": int(sd.nnz()),
             "num_selected": int(sd.num_selected()),
             "density": float(sd.density()),
-            "file_bytes": path.stat().st_size,
+            "file_bytes": path.stat().st_size if chief else None,
             "path": str(path),
         }
     rows = composition_table(ctx, evaluator, core, head, sparse, ("dev", "test"))

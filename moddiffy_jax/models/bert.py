@@ -673,6 +673,8 @@ def load_tokenizer(model_dir: str | os.PathLike | None = None):
     path = resolve_model_dir(model_dir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # Only the tokenizer is used: hide the "PyTorch was not found" notice.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -1,0 +1,213 @@
+r"""Train-step speed and memory of every method (measured, never asserted).
+
+For each method and model size this runs, in a fresh subprocess, the method's
+first-phase train step (e.g. MoDDiffy-par: task step + one adversarial diff
+step per attribute) on synthetic batches and reports compile time, median
+steady-state step time, steps/s, examples/s and the process's peak RSS.
+
+    python benchmarks/bench_steps.py --models tiny,minilm --batch 32 --length 32
+    python benchmarks/bench_steps.py --methods moddiffy_par --models minilm --steps 10
+
+``--models bert-base`` builds BERT-base shapes with random weights (for GPUs;
+no download is needed). Results are printed as a Markdown table and appended
+as JSON lines to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+METHODS = (
+    "finetune",
+    "finetune_debias",
+    "adapter",
+    "adapter_debias",
+    "diffprun",
+    "diffprun_debias",
+    "moddiffy_par",
+    "moddiffy_post",
+)
+
+
+def _minilm_dir():
+    from moddiffy_jax.models import bert
+
+    return bert.resolve_model_dir(None)
+
+
+def _bert_base_dir() -> str:
+    """A directory with only a BERT-base config.json (random weights)."""
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="bert_base_")
+    cfg = {
+        "model_type": "bert",
+        "vocab_size": 30522,
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "intermediate_size": 3072,
+        "hidden_act": "gelu",
+        "max_position_embeddings": 512,
+        "type_vocab_size": 2,
+    }
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return d
+
+
+def run_one(method: str, model: str, batch: int, length: int, steps: int, dtype: str):
+    """Measures one configuration in this process; returns a dict."""
+    import resource
+
+    import jax
+    import numpy as np
+
+    from moddiffy_jax import train
+    from moddiffy_jax.config_lib import experiment_config
+    from moddiffy_jax.methods import common, registry
+
+    post = method == "moddiffy_post"
+    config = experiment_config("moddiffy_par" if post else method, "data=synthetic")
+    with config.unlocked():
+        config.train.batch_size = batch
+        config.data.max_length = length
+        config.model.dtype = dtype
+        config.data.synthetic.num_train = max(4 * batch, 256)
+        if model == "tiny":
+            config.model.init = "random"
+        elif model == "bert-base":
+            config.model.init = "random"
+            config.model.dir = _bert_base_dir()
+            config.model.tokenizer_dir = str(_minilm_dir())
+    ctx = train.build_context(config)
+    trainable, frozen = train.init_state(ctx, jax.random.PRNGKey(0))
+    if post:
+        # MoDDiffy-post trains the same diffs on a frozen core and head.
+        ctx.method = registry.get_method("moddiffy_post")
+        frozen["base"] = trainable.pop("core")
+        frozen["task_head"] = trainable.pop("task_head")
+    substeps = registry.build_substeps(ctx, ctx.method.phases[0], trainable)
+    state = common.TrainState(
+        step=common.jnp_zero_step(),
+        trainable=trainable,
+        opt_states=common.init_opt_states(substeps, trainable),
+    )
+    from moddiffy_jax.data import TrainIterator
+
+    it = TrainIterator(ctx.data.splits["train"], batch_size=batch, seed=0)
+    step = jax.jit(common.make_train_step(substeps), donate_argnums=(0,))
+    rng = jax.random.PRNGKey(1)
+    t0 = time.perf_counter()
+    state, metrics = step(state, frozen, next(it), rng)
+    jax.block_until_ready(metrics)
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        b = next(it)
+        t = time.perf_counter()
+        state, metrics = step(state, frozen, b, rng)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t)
+    median = float(np.median(times))
+    n_params = sum(int(np.size(x)) for x in jax.tree.leaves(ctx.pretrained))
+    return {
+        "method": method,
+        "model": model,
+        "params": n_params,
+        "batch": batch,
+        "length": length,
+        "dtype": dtype,
+        "substeps": [s.name for s in substeps],
+        "compile_s": round(compile_s, 2),
+        "step_s_median": round(median, 4),
+        "step_s_min": round(float(np.min(times)), 4),
+        "steps_per_s": round(1.0 / median, 3),
+        "examples_per_s": round(batch / median, 1),
+        "peak_rss_gib": round(
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2
+        ),
+        "device": str(jax.devices()[0].device_kind),
+        "num_devices": jax.device_count(),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--models", default="tiny,minilm")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--length", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--out", default="benchmarks/results.jsonl")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        result = run_one(
+            args.methods, args.models, args.batch, args.length, args.steps, args.dtype
+        )
+        print("RESULT " + json.dumps(result))
+        return
+    rows = []
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    machine = f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    for model in args.models.split(","):
+        for method in args.methods.split(","):
+            cmd = [
+                sys.executable,
+                __file__,
+                "--one",
+                "--methods",
+                method,
+                "--models",
+                model,
+                "--batch",
+                str(args.batch),
+                "--length",
+                str(args.length),
+                "--steps",
+                str(args.steps),
+                "--dtype",
+                args.dtype,
+            ]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            line = next(
+                (x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None
+            )
+            if line is None:
+                print(
+                    f"{method}/{model} failed:\n{out.stderr[-2000:]}", file=sys.stderr
+                )
+                continue
+            row = json.loads(line[7:]) | {"date": stamp, "machine": machine}
+            rows.append(row)
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(
+                f"{method:16s} {model:7s} compile {row['compile_s']:7.1f}s  "
+                f"step {row['step_s_median']:.3f}s  {row['examples_per_s']:7.1f} ex/s  "
+                f"rss {row['peak_rss_gib']:.2f} GiB",
+                flush=True,
+            )
+    print(f"\n{machine}, {stamp}\n")
+    print(
+        "| method | model | sub-steps | compile (s) | step (s, median) | steps/s | examples/s | peak RSS (GiB) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['method']} | {r['model']} | {len(r['substeps'])} | {r['compile_s']} | "
+            f"{r['step_s_median']} | {r['steps_per_s']} | {r['examples_per_s']} | {r['peak_rss_gib']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

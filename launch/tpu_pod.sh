@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# TPU pod slice: run the SAME command on every worker, e.g.
+#   gcloud compute tpus tpu-vm ssh NAME --worker=all --command \
+#     "cd moddiffy_jax && bash launch/tpu_pod.sh configs/moddiffy_par.py:data=dwmw17 /mnt/shared/runs/NAME"
+# jax.distributed.initialize() discovers the other hosts; each host reads its
+# own slice of every global batch and writes checkpoints to the shared workdir
+# (a filesystem every worker mounts, e.g. a Filestore or gcsfuse mount).
+# Install on every worker: pip install -U "jax[tpu]" && pip install -e .
+set -euo pipefail
+config=${1:?config file}; workdir=${2:?workdir}; shift 2
+exec python -m moddiffy_jax.main --distributed --config="$config" --workdir="$workdir" \
+  --config.model.dtype=bfloat16 "$@"

@@ -1,0 +1,22 @@
+"""Test-session settings: cheap XLA compiles for tiny models.
+
+Tests use tiny models, so compile time dominates. A lower LLVM optimisation
+level roughly halves it, and a persistent compilation cache lets tests that
+build the same programs share them. Both are set before JAX is imported and
+only for the test process (and subprocesses it starts).
+"""
+
+import os
+import pathlib
+
+_CACHE = pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax"
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    ).strip()
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

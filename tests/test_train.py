@@ -1,0 +1,306 @@
+"""End-to-end training on the tiny config: every method, resume, bad input."""
+
+import importlib.util
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moddiffy_jax import checkpoints, train
+from moddiffy_jax.config_lib import experiment_config, parse_arg
+from moddiffy_jax.methods import METHODS, common, registry
+from moddiffy_jax.subnets import diffs as diffs_lib
+from moddiffy_jax.subnets import selection
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def tiny(method, **overrides):
+    config = experiment_config(method, "model=tiny")
+    with config.unlocked():
+        for key, value in overrides.items():
+            node = config
+            *parents, last = key.split(".")
+            for p in parents:
+                node = node[p]
+            node[last] = value
+    return config
+
+
+@pytest.fixture(scope="module")
+def finetune_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("finetune")
+    return workdir, train.train_and_evaluate(tiny("finetune"), workdir)
+
+
+@pytest.fixture(scope="module")
+def par_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("par")
+    return workdir, train.train_and_evaluate(tiny("moddiffy_par"), workdir)
+
+
+def _exported_diffs(workdir):
+    return sorted((workdir / "export" / "diffs").glob("*.safetensors"))
+
+
+def _check_run(workdir, results, method):
+    assert (workdir / "config.json").is_file()
+    assert (workdir / "results.json").is_file()
+    assert json.loads((workdir / "results.json").read_text())["method"] == method
+    assert results["synthetic"] is True
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(x) for x in lines]
+    assert any("task/loss" in r or "debias/gender/loss" in r for r in records)
+    core, meta = checkpoints.load_params(workdir / "export" / "core.safetensors")
+    assert meta["fingerprint"] == diffs_lib.fingerprint(core)
+    for row in results["composition"].values():
+        for value in row.values():
+            assert 0.0 <= value <= 1.0
+    return core
+
+
+def test_moddiffy_par_exports_exact_budget_diffs(par_run):
+    workdir, results = par_run
+    core = _check_run(workdir, results, "moddiffy_par")
+    files = _exported_diffs(workdir)
+    assert [f.stem for f in files] == ["age", "gender"]
+    assert set(results["composition"]) == {
+        "core",
+        "core+gender",
+        "core+age",
+        "core+gender+age",
+    }
+    config = tiny("moddiffy_par")
+    selected = selection.select_paths(
+        core, config.diff.include, exclude=config.diff.exclude
+    )
+    n = sum(int(np.size(selection.flatten(core)[p])) for p in selected)
+    for f in files:
+        diff = diffs_lib.load_sparse_diff(f, base=core)  # fingerprint checked
+        assert diff.nnz() == round(config.diff.keep * n)
+        assert diff.num_selected() == n
+        assert results["diffs"][f.stem]["nnz"] == diff.nnz()
+    # The diffs really differ from each other and from zero.
+    a, b = (diffs_lib.load_sparse_diff(f) for f in files)
+    assert any(np.any(np.asarray(v) != 0) for v in a.values.values())
+    assert a.indices.keys() == b.indices.keys()
+
+
+def test_exported_diff_composition_matches_results(par_run):
+    """Re-evaluating the exported files reproduces the run's table."""
+    workdir, results = par_run
+    config = tiny("moddiffy_par")
+    ctx = train.build_context(config)
+    core, _ = checkpoints.load_params(workdir / "export" / "core.safetensors")
+    head, _ = checkpoints.load_params(workdir / "export" / "task_head.safetensors")
+    files = {f.stem: f for f in _exported_diffs(workdir)}
+    diffs = [diffs_lib.load_sparse_diff(files[n], base=core) for n in ("gender", "age")]
+    evaluator = train.Evaluator(ctx)
+    params = evaluator.compose(core, diffs)
+    acc = evaluator.task_accuracy(params, head, "dev")
+    assert acc == pytest.approx(
+        results["composition"]["core+gender+age"]["dev_task_acc"]
+    )
+
+
+@pytest.mark.parametrize(
+    "method",
+    sorted(
+        m for m in METHODS if m not in ("moddiffy_par", "finetune", "moddiffy_post")
+    ),
+)
+def test_method_runs(method, tmp_path):
+    results = train.train_and_evaluate(tiny(method), tmp_path)
+    _check_run(tmp_path, results, method)
+    if METHODS[method].uses_diffs:
+        assert [f.stem for f in _exported_diffs(tmp_path)] == ["task"]
+    else:
+        assert not _exported_diffs(tmp_path)
+
+
+def test_finetune_then_post(finetune_run, tmp_path):
+    ft_dir, ft_results = finetune_run
+    _check_run(ft_dir, ft_results, "finetune")
+    config = tiny("moddiffy_post", **{"method.core_run": str(ft_dir)})
+    results = train.train_and_evaluate(config, tmp_path)
+    core = _check_run(tmp_path, results, "moddiffy_post")
+    # The frozen core is exactly the finetune run's core.
+    ft_core, _ = checkpoints.load_params(ft_dir / "export" / "core.safetensors")
+    for x, y in zip(jax.tree.leaves(core), jax.tree.leaves(ft_core), strict=True):
+        np.testing.assert_array_equal(x, y)
+    # Post-hoc diffs load on the finetune core and are refused elsewhere.
+    for f in _exported_diffs(tmp_path):
+        diffs_lib.load_sparse_diff(f, base=ft_core)
+        other = jax.tree.map(lambda x: x + 1.0, ft_core)
+        with pytest.raises(ValueError, match="fingerprint"):
+            diffs_lib.load_sparse_diff(f, base=other)
+
+
+def test_post_without_core_run_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="core_run"):
+        train.train_and_evaluate(tiny("moddiffy_post"), tmp_path)
+    with pytest.raises(FileNotFoundError, match="finetune run"):
+        train.train_and_evaluate(
+            tiny("moddiffy_post", **{"method.core_run": str(tmp_path / "nope")}),
+            tmp_path / "run",
+        )
+
+
+def _first_step(method, phase="l0"):
+    config = tiny(method)
+    ctx = train.build_context(config)
+    trainable, frozen = train.init_state(ctx, jax.random.PRNGKey(0))
+    substeps = registry.build_substeps(ctx, phase, trainable)
+    state = common.TrainState(
+        step=common.jnp_zero_step(),
+        trainable=trainable,
+        opt_states=common.init_opt_states(substeps, trainable),
+    )
+    from moddiffy_jax.data import TrainIterator
+
+    batch = next(TrainIterator(ctx.data.splits["train"], batch_size=8, seed=0))
+    return ctx, substeps, state, frozen, batch
+
+
+def test_debias_steps_touch_only_their_diff():
+    """Each sub-step changes only its own parts; the frozen tree is untouched."""
+    ctx, substeps, state, frozen, batch = _first_step("moddiffy_par")
+    frozen_before = jax.tree.map(np.array, frozen)
+    gender_only = [s for s in substeps if s.name == "debias/gender"]
+    step = jax.jit(common.make_train_step(gender_only))
+    before = jax.tree.map(np.array, state.trainable)
+    new, metrics = step(state, frozen, batch, jax.random.PRNGKey(0))
+    after = jax.tree.map(np.array, new.trainable)
+    assert all(np.isfinite(float(v)) for v in metrics.values())
+    changed = lambda a, b: any(  # noqa: E731
+        not np.array_equal(x, y)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+    assert changed(before["diffs"]["gender"], after["diffs"]["gender"])
+    assert changed(before["adversaries"]["gender"], after["adversaries"]["gender"])
+    for key in ("core",):
+        assert not changed(before[key], after[key])
+    assert not changed(before["diffs"]["age"], after["diffs"]["age"])
+    assert not changed(before["adversaries"]["age"], after["adversaries"]["age"])
+    assert not changed(frozen_before, frozen)
+
+
+def test_post_core_and_head_bit_identical_after_step(finetune_run):
+    ft_dir, _ = finetune_run
+    config = tiny("moddiffy_post", **{"method.core_run": str(ft_dir)})
+    ctx = train.build_context(config)
+    trainable, frozen = train.init_state(ctx, jax.random.PRNGKey(0))
+    substeps = registry.build_substeps(ctx, "l0", trainable)
+    assert [s.name for s in substeps] == ["debias/gender", "debias/age"]
+    state = common.TrainState(
+        step=common.jnp_zero_step(),
+        trainable=trainable,
+        opt_states=common.init_opt_states(substeps, trainable),
+    )
+    before = jax.tree.map(np.array, frozen)
+    from moddiffy_jax.data import TrainIterator
+
+    batch = next(TrainIterator(ctx.data.splits["train"], batch_size=8, seed=0))
+    step = jax.jit(common.make_train_step(substeps))
+    for i in range(2):
+        state, _ = step(state, frozen, batch, jax.random.PRNGKey(i))
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(frozen), strict=True):
+        np.testing.assert_array_equal(x, np.asarray(y))
+    assert "task_head" not in state.trainable
+
+
+@pytest.mark.parametrize("stop_at", [3, 6])  # inside the L0 phase / in fixmask
+def test_resume_equals_uninterrupted(par_run, tmp_path, stop_at):
+    full_dir, _ = par_run
+    with pytest.raises(train.Preempted):
+        train.train_and_evaluate(
+            tiny("moddiffy_par", **{"train.stop_at_step": stop_at}), tmp_path
+        )
+    assert not (tmp_path / "results.json").exists()
+    train.train_and_evaluate(tiny("moddiffy_par"), tmp_path)
+    for name in ("core.safetensors", "task_head.safetensors"):
+        a, _ = checkpoints.load_params(full_dir / "export" / name)
+        b, _ = checkpoints.load_params(tmp_path / "export" / name)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            np.testing.assert_array_equal(x, y)
+    for f in _exported_diffs(full_dir):
+        a = diffs_lib.load_sparse_diff(f)
+        b = diffs_lib.load_sparse_diff(tmp_path / "export" / "diffs" / f.name)
+        for p in a.indices:
+            np.testing.assert_array_equal(a.indices[p], b.indices[p])
+            np.testing.assert_array_equal(a.values[p], b.values[p])
+
+
+def test_workdir_with_other_run_is_refused(par_run):
+    workdir, _ = par_run
+    before = {p: p.stat().st_mtime_ns for p in workdir.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match="different config"):
+        train.train_and_evaluate(tiny("moddiffy_par", seed=1), workdir)
+    after = {p: p.stat().st_mtime_ns for p in workdir.rglob("*") if p.is_file()}
+    assert before == after
+
+
+def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch):
+    make = common.make_train_step
+
+    def poisoned(substeps):
+        step = make(substeps)
+
+        def wrapped(state, frozen, batch, rng):
+            new, metrics = step(state, frozen, batch, rng)
+            bad = jnp.where(state.step >= 4, jnp.nan, 0.0)
+            return new, {k: v + bad for k, v in metrics.items()}
+
+        return wrapped
+
+    monkeypatch.setattr(common, "make_train_step", poisoned)
+    with pytest.raises(FloatingPointError, match="at step 5") as info:
+        train.train_and_evaluate(tiny("finetune"), tmp_path)
+    assert "last good checkpoint is step 4" in str(info.value)
+    ckpt = checkpoints.RunCheckpointer(tmp_path / "checkpoints")
+    assert ckpt.latest_step() == 4
+    ckpt.close()
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_missing_model_dir_is_a_clear_error(tmp_path):
+    config = tiny("finetune", **{"model.init": "pretrained", "model.dir": "/no/model"})
+    with pytest.raises(FileNotFoundError, match="/no/model"):
+        train.train_and_evaluate(config, tmp_path)
+
+
+def test_unknown_attribute_and_method(tmp_path):
+    with pytest.raises(ValueError, match="dataset does not have"):
+        train.train_and_evaluate(
+            tiny("moddiffy_par", **{"method.attributes": ("race",)}), tmp_path / "a"
+        )
+    with pytest.raises(ValueError, match="valid methods"):
+        registry.get_method("moddify_par")
+
+
+def test_configs_are_locked_and_arguments_checked():
+    config = experiment_config("moddiffy_par", None)
+    with pytest.raises(AttributeError):
+        config.train.l0_step = 3  # misspelled
+    with pytest.raises(ValueError, match="Unknown config argument"):
+        parse_arg("dataset=dwmw17")
+    with pytest.raises(ValueError, match="valid values"):
+        parse_arg("data=imdb")
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.py")))
+def test_every_config_file_loads(path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if path.stem == "tiny":
+        args = [f"{m}" for m in METHODS]
+    else:
+        args = ["data=synthetic", "data=dwmw17", "data=dwmw17,objective=mmd"]
+    for arg in args:
+        config = module.get_config(arg)
+        assert config.method.name in METHODS
+        registry.get_method(config.method.name)
