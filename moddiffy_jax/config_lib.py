@@ -115,7 +115,13 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.train.stop_at_step = 0  # >0: simulate a preemption after this step.
     c.train.progress = True
 
-    c.eval = ml_collections.ConfigDict({"batch_size": 128})
+    c.eval = ml_collections.ConfigDict()
+    c.eval.batch_size = 128
+    # After training: the composition matrix with leakage probes (eval/).
+    c.eval.leakage = True
+    c.eval.probe_seeds = (0, 1, 2)
+    c.eval.probe_epochs = 40
+    c.eval.inlp = True
     c.data = default_data_config()
     return c
 
@@ -147,6 +153,7 @@ def set_tiny_model(c: ml_collections.ConfigDict) -> None:
     c.data.synthetic.num_test = 32
     c.diff.keep = 0.05
     c.method.adversary.members = 2
+    c.eval.leakage = False
 
 
 def experiment_config(method: str, arg: str | None) -> ml_collections.ConfigDict:

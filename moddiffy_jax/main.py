@@ -32,11 +32,27 @@ def format_results(results: dict) -> str:
     synthetic = " (SYNTHETIC data)" if results.get("synthetic") else ""
     lines.append(f"method {results['method']} on {results['dataset']}{synthetic}")
     rows = results["composition"]
+    leakage = results.get("leakage", {})
+    attrs = results.get("attributes", []) if leakage else []
     cols = sorted({k for r in rows.values() for k in r})
-    width = max(len(r) for r in rows) + 2
-    lines.append("configuration".ljust(width) + "  ".join(c.rjust(14) for c in cols))
-    for label, row in rows.items():
-        lines.append(label.ljust(width) + "  ".join(f"{row[c]:14.4f}" for c in cols))
+    labels = list(rows) + [k for k in leakage if k not in rows]
+    width = max(len(r) for r in labels) + 2
+    head = [c.rjust(14) for c in cols] + [f"{a} leakage".rjust(18) for a in attrs]
+    lines.append("configuration".ljust(width) + "  ".join(head))
+    for label in labels:
+        cells = [
+            f"{rows[label][c]:14.4f}" if label in rows else "-".rjust(14) for c in cols
+        ]
+        for a in attrs:
+            leak = leakage.get(label, {}).get(a)
+            cells.append(_leak(leak).rjust(18))
+        lines.append(label.ljust(width) + "  ".join(cells))
+    if leakage:
+        lines.append(
+            "leakage: test balanced accuracy of attacker probe ensembles on frozen CLS "
+            "representations (mean ± std over seeds; chance = 1/#classes, lower is "
+            "better); INLP rows use the task head on projected representations"
+        )
     for name, info in results.get("diffs", {}).items():
         lines.append(
             f"diff {name}: {info['nnz']:,} of {info['num_selected']:,} entries kept "
@@ -45,7 +61,16 @@ def format_results(results: dict) -> str:
     lines.append(f"core params: {results['core_params']:,}")
     if "wall_time_s" in results:
         lines.append(f"wall time: {results['wall_time_s']:.0f} s")
+    if "eval_report" in results:
+        lines.append(f"full report: {results['eval_report']}")
     return "\n".join(lines)
+
+
+def _leak(entry) -> str:
+    if not entry or entry.get("mean") is None:
+        return "n/a"
+    std = entry.get("std")
+    return f"{entry['mean']:.3f}" + (f" ± {std:.3f}" if std is not None else "")
 
 
 def main(argv):

@@ -659,6 +659,26 @@ def train_and_evaluate(
         progress.close()
         writer.close()
     results = _finish(ctx, evaluator, workdir, trainable, frozen, phases[-1])
+    results["train_wall_time_s"] = time.time() - wall_start
+    if config.eval.leakage and jax.process_index() == 0:
+        from moddiffy_jax.eval import composition, probes
+
+        probe_config = probes.ProbeConfig(
+            seeds=tuple(config.eval.probe_seeds), max_epochs=config.eval.probe_epochs
+        )
+        evaluation = composition.evaluate_run(
+            workdir, probe_config=probe_config, inlp=config.eval.inlp
+        )
+        for label, row in evaluation["composition"].items():
+            if label not in results["composition"]:  # the INLP baselines
+                results["composition"][label] = {
+                    k: row[k] for k in ("dev_task_acc", "test_task_acc")
+                }
+        results["leakage"] = {
+            label: {a: row["leakage"][a] for a in ctx.attributes}
+            for label, row in evaluation["composition"].items()
+        }
+        results["eval_report"] = str(workdir / "eval" / "report.md")
     results["wall_time_s"] = time.time() - wall_start
     if jax.process_index() == 0:
         checkpoints.write_json_atomic(workdir / "results.json", results)

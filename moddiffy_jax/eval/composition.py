@@ -249,7 +249,9 @@ def evaluate_run(
     if "task" in art.diffs:  # DiffPrun: the task diff is part of the model.
         base = evaluator.compose(art.core, [art.diffs["task"]])
     rep = Representer(ctx, batch_size)
-    names = art.attribute_diffs
+    # The run's attribute order (as in its own results), then any other diff.
+    names = [a for a in ctx.attributes if a in art.diffs]
+    names += [n for n in art.attribute_diffs if n not in names]
     attr_diffs = [art.diffs[n] for n in names]
     rows: dict[str, Any] = {}
     core_reps = None

@@ -1,0 +1,91 @@
+"""The evaluate command on a tiny run: composition matrix, leakage, bad input."""
+
+import json
+import shutil
+
+import pytest
+
+from moddiffy_jax import evaluate, train
+from moddiffy_jax.config_lib import experiment_config
+from moddiffy_jax.eval import composition, probes
+
+FAST_PROBES = probes.ProbeConfig(members=2, max_epochs=3, patience=2, seeds=(0, 1))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("par")
+    train.train_and_evaluate(experiment_config("moddiffy_par", "model=tiny"), workdir)
+    return workdir
+
+
+def test_composition_matrix(run):
+    results = composition.evaluate_run(run, probe_config=FAST_PROBES)
+    rows = results["composition"]
+    assert list(rows) == [
+        "core",
+        "core+gender",
+        "core+age",
+        "core+gender+age",
+        "core+INLP(gender)",
+        "core+INLP(age)",
+    ]
+    for row in rows.values():
+        assert 0 <= row["test_task_acc"] <= 1
+        assert "macro_f1" in row["task"]["test"]
+        for attr in ("gender", "age"):
+            leak = row["leakage"][attr]
+            assert 0 <= leak["mean"] <= 1
+            assert len(leak["per_seed_test"]) == 2
+            assert leak["chance"] == 0.5
+            assert "linear" in leak
+    saved = json.loads((run / "eval" / "results.json").read_text())
+    assert saved["synthetic"] is True
+    report = (run / "eval" / "report.md").read_text()
+    assert "SYNTHETIC" in report and "core+gender+age" in report
+    # The task accuracy of the core matches the training run's own table.
+    trained = json.loads((run / "results.json").read_text())["composition"]
+    assert rows["core"]["test_task_acc"] == pytest.approx(
+        trained["core"]["test_task_acc"]
+    )
+
+
+def test_weights_and_subset_size(run):
+    results = composition.evaluate_run(
+        run,
+        probe_config=FAST_PROBES,
+        weights={"gender": 0.5},
+        max_subset_size=1,
+        inlp=False,
+        linear=False,
+    )
+    assert list(results["composition"]) == ["core", "core+0.5*gender", "core+age"]
+    with pytest.raises(ValueError, match="not diffs of this run"):
+        composition.evaluate_run(run, probe_config=FAST_PROBES, weights={"race": 1})
+
+
+def test_diff_from_another_base_is_refused(run, tmp_path):
+    other = tmp_path / "other"
+    config = experiment_config("moddiffy_par", "model=tiny")
+    with config.unlocked():
+        config.seed = 1
+    train.train_and_evaluate(config, other)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(run, mixed)
+    shutil.copy(
+        other / "export" / "diffs" / "gender.safetensors",
+        mixed / "export" / "diffs" / "gender.safetensors",
+    )
+    with pytest.raises(ValueError, match="fingerprint"):
+        composition.evaluate_run(mixed, probe_config=FAST_PROBES)
+    assert evaluate.main(["--workdir", str(mixed), "--max-epochs", "1"]) == 2
+
+
+def test_partial_run_is_refused(run, tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        composition.evaluate_run(tmp_path)
+    partial = tmp_path / "partial"
+    shutil.copytree(run, partial)
+    (partial / "export" / "core.safetensors").unlink()
+    assert evaluate.main(["--workdir", str(partial)]) == 2
+    assert "has not finished" in capsys.readouterr().err
