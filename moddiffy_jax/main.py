@@ -9,6 +9,7 @@ last checkpoint in ``--workdir``.
 from __future__ import annotations
 
 import json
+import math
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -67,10 +68,12 @@ def format_results(results: dict) -> str:
 
 
 def _leak(entry) -> str:
-    if not entry or entry.get("mean") is None:
+    mean = (entry or {}).get("mean")
+    if mean is None or math.isnan(mean):
         return "n/a"
     std = entry.get("std")
-    return f"{entry['mean']:.3f}" + (f" ± {std:.3f}" if std is not None else "")
+    has_std = std is not None and not math.isnan(std)
+    return f"{mean:.3f}" + (f" ± {std:.3f}" if has_std else "")
 
 
 def main(argv):

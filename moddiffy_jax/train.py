@@ -553,7 +553,8 @@ def train_and_evaluate(
         phase_step, global_step = meta["phase_step"], meta["step"]
         iterator.set_state(meta["iterator"])
         if meta["phase"] == "fixmask":
-            trainable, frozen, _ = to_fixmask(ctx, trainable, frozen)
+            # The kept indices come from the checkpoint; the values' shapes
+            # follow them (restored below).
             frozen["indices"] = jax.tree.map(jnp.asarray, sparse_idx)
             trainable = _values_like(trainable, frozen["indices"], ctx)
         restored_state = latest
@@ -698,7 +699,7 @@ def _values_like(trainable: dict, indices: Mapping, ctx: Context) -> dict:
     for key in diff_keys(ctx.method, ctx.attributes):
         idx = common.get_part(indices, key)
         part = common.get_part(trainable, key)
-        dtype = jax.tree.leaves(part)[0].dtype
+        dtype = jax.tree.leaves(part.delta)[0].dtype  # a DiffState before restore
         trainable = common.set_part(
             trainable, key, jax.tree.map(lambda i, d=dtype: jnp.zeros(i.shape, d), idx)
         )

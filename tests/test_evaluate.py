@@ -89,3 +89,17 @@ def test_partial_run_is_refused(run, tmp_path, capsys):
     (partial / "export" / "core.safetensors").unlink()
     assert evaluate.main(["--workdir", str(partial)]) == 2
     assert "has not finished" in capsys.readouterr().err
+
+
+def test_analyze_on_a_trained_run(run, tmp_path, capsys):
+    from moddiffy_jax import analyze
+
+    composition.evaluate_run(run, probe_config=FAST_PROBES, inlp=False)
+    out = tmp_path / "analysis"
+    assert analyze.main([str(run), "--out", str(out)]) == 0
+    written = {p.name for p in out.iterdir()}
+    assert {"sparsity.csv", "sparsity_heatmap.png", "summary.md"} <= written
+    assert "overlap_attributes.csv" in written and "tradeoff.png" in written
+    assert (out / "sparsity_heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = (out / "summary.md").read_text()
+    assert "gender" in summary and "age" in summary

@@ -314,6 +314,30 @@ def debias_term(
     return f"mmd/{attribute}", settings.mmd_weight * value
 
 
+def _task_forward(
+    model, method, trainable, frozen, batch, rng, *, phase, settings, attribute
+):
+    """Encoder forward (with ``attribute``'s diff, if any) and the task CE.
+
+    Returns ``(h, terms, rng_for_removal)`` with ``terms = {"task": CE}``.
+    """
+    r_diff, r_enc, r_head, r_adv = jax.random.split(rng, 4)
+    params = encoder_params(
+        method,
+        trainable,
+        frozen,
+        phase=phase,
+        settings=settings,
+        attribute=attribute,
+        rng=r_diff,
+        train=True,
+    )
+    h = model.represent(params, batch, r_enc, True)
+    head = trainable.get("task_head", frozen.get("task_head"))
+    logits = model.task_logits(head, h, r_head, True)
+    return h, {"task": objectives.cross_entropy(logits, batch["task"])}, r_adv
+
+
 def make_task_loss(
     model: Any,
     method: MethodDef,
@@ -326,21 +350,17 @@ def make_task_loss(
     """Loss of the task step (plus joint debias terms and the task-diff L0)."""
 
     def loss(trainable, frozen, batch, rng):
-        r_diff, r_enc, r_head, r_adv = jax.random.split(rng, 4)
-        params = encoder_params(
+        h, terms, r_adv = _task_forward(
+            model,
             method,
             trainable,
             frozen,
+            batch,
+            rng,
             phase=phase,
             settings=diff_settings,
             attribute=None,
-            rng=r_diff,
-            train=True,
         )
-        h = model.represent(params, batch, r_enc, True)
-        head = trainable.get("task_head", frozen.get("task_head"))
-        logits = model.task_logits(head, h, r_head, True)
-        terms = {"task": objectives.cross_entropy(logits, batch["task"])}
         if method.debias == "joint":
             for i, attr in enumerate(attributes):
                 name, value = debias_term(
@@ -378,21 +398,17 @@ def make_debias_loss(
     """
 
     def loss(trainable, frozen, batch, rng):
-        r_diff, r_enc, r_head, r_adv = jax.random.split(rng, 4)
-        params = encoder_params(
+        h, terms, r_adv = _task_forward(
+            model,
             method,
             trainable,
             frozen,
+            batch,
+            rng,
             phase=phase,
             settings=diff_settings,
             attribute=attribute,
-            rng=r_diff,
-            train=True,
         )
-        h = model.represent(params, batch, r_enc, True)
-        head = trainable.get("task_head", frozen.get("task_head"))
-        logits = model.task_logits(head, h, r_head, True)
-        terms = {"task": objectives.cross_entropy(logits, batch["task"])}
         name, value = debias_term(
             model,
             trainable,
