@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from safetensors.numpy import load_file, save_file
 
+from moddiffy_jax._files import publish_mode, temp_file_beside
 from moddiffy_jax.subnets import selection
 
 PARAMS_FORMAT = "moddiffy_jax.params/1"
@@ -56,10 +56,10 @@ def save_params(
         k: np.asarray(jax.device_get(v)) for k, v in selection.flatten(params).items()
     }
     meta = {"format": PARAMS_FORMAT, "metadata": json.dumps(dict(metadata or {}))}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
+    tmp = temp_file_beside(path)
     try:
         save_file(flat, tmp, metadata=meta)
+        publish_mode(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -87,8 +87,8 @@ def load_params(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
+    tmp = temp_file_beside(path)
+    with open(tmp, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
     os.replace(tmp, path)
 

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import pathlib
 
 import jax
@@ -54,6 +55,11 @@ def _check_run(workdir, results, method):
     lines = (workdir / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(x) for x in lines]
     assert any("task/loss" in r or "debias/gender/loss" in r for r in records)
+    # Exports get the permissions a plain open() would give (shareable runs).
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (workdir / "export").rglob("*.safetensors"):
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path
     core, meta = checkpoints.load_params(workdir / "export" / "core.safetensors")
     assert meta["fingerprint"] == diffs_lib.fingerprint(core)
     for row in results["composition"].values():

@@ -26,7 +26,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,6 +37,7 @@ from absl import logging
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from moddiffy_jax._files import publish_mode, temp_file_beside
 from moddiffy_jax.subnets.hard_concrete import (
     HardConcrete,
     deterministic_gates,
@@ -865,11 +865,10 @@ def save_sparse_diff(
         "rules": {"include": list(diff.rules[0]), "exclude": list(diff.rules[1])},
         "info": diff.info,
     }
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".safetensors")
-    os.close(fd)
+    tmp = temp_file_beside(path, suffix=".safetensors")
     try:
         save_file(tensors, tmp, metadata={METADATA_KEY: json.dumps(meta)})
+        publish_mode(tmp)
         if overwrite:
             os.replace(tmp, path)
         else:

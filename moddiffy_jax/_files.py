@@ -1,0 +1,35 @@
+"""Atomic writes: temporary files that get the permissions ``open`` would give."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def temp_file_beside(path: str | os.PathLike, *, suffix: str = ".tmp") -> str:
+    """A new empty file in ``path``'s directory, to ``os.replace`` onto ``path``.
+
+    ``tempfile.mkstemp`` creates files readable by the owner only; the result
+    of an atomic write should have the usual ``0o666 & ~umask`` mode instead,
+    so that run directories can be shared.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
+    os.close(fd)
+    publish_mode(tmp)
+    return tmp
+
+
+def publish_mode(tmp: str | os.PathLike) -> None:
+    """Gives a finished temporary file the usual ``0o666 & ~umask`` mode.
+
+    Call it after writing and before the rename: some writers (safetensors)
+    recreate the file owner-only.
+    """
+    os.chmod(tmp, 0o666 & ~_umask())
