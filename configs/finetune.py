@@ -10,6 +10,8 @@ Arguments after ":" are comma-separated key=value pairs: data=synthetic|dwmw17
 ../shared/data/dwmw17_dialect by path), model=minilm|tiny,
 objective=adversarial|mmd. Any field can be overridden with
 --config.<field>=<value>; the config is locked, so a misspelled field fails.
+Measured (2-core CPU, 2026-11-22; BENCHMARKS.md): dwmw17 takes 9 minutes
+(466 steps, then probes); test accuracy 0.914, dialect leakage 0.943.
 """
 
 from moddiffy_jax.config_lib import experiment_config
