@@ -20,6 +20,7 @@ from collections.abc import Callable
 import ml_collections
 
 from moddiffy_jax.data.dataset import TextDataset, read_label_file
+from moddiffy_jax.data.nli import make_pair_loader
 from moddiffy_jax.data.synthetic import generate_synthetic
 from moddiffy_jax.data.tabular import load_tabular
 
@@ -151,6 +152,13 @@ SOURCES: dict[str, Callable[[ml_collections.ConfigDict], TextDataset]] = {
         path=DWMW17_PATH,
         split_column="split",
     ),
+    # SRNets sentence-pair datasets (nli.py): fixed [S] class order, no attributes.
+    "mnli": make_pair_loader("mnli"),
+    "hans": make_pair_loader("hans"),
+    "qqp": make_pair_loader("qqp"),
+    "paws": make_pair_loader("paws"),
+    "fever": make_pair_loader("fever"),
+    "fever_symmetric": make_pair_loader("fever_symmetric"),
 }
 
 

@@ -6,14 +6,26 @@ from moddiffy_jax.objectives.classification import (
     cross_entropy,
     majority_vote,
 )
+from moddiffy_jax.objectives.known_bias import (
+    KNOWN_BIAS_LOSSES,
+    confidence_regularization_loss,
+    example_reweighting_loss,
+    get_known_bias_loss,
+    product_of_experts_loss,
+)
 from moddiffy_jax.objectives.mmd import mmd_loss, multi_kernel_matrix
 
 __all__ = [
+    "KNOWN_BIAS_LOSSES",
     "accuracy",
     "adversarial_loss",
+    "confidence_regularization_loss",
     "cross_entropy",
+    "example_reweighting_loss",
+    "get_known_bias_loss",
     "gradient_reversal",
     "majority_vote",
     "mmd_loss",
     "multi_kernel_matrix",
+    "product_of_experts_loss",
 ]
