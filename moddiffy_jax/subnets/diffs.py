@@ -582,6 +582,58 @@ def _build(
     )
 
 
+def pruning_diff(
+    base: PyTree,
+    keep_masks: PyTree,
+    *,
+    name: str,
+    rules: Any = (),
+    info: Mapping[str, Any] | None = None,
+) -> SparseDiff:
+    """A weight-pruning subnetwork as a :class:`SparseDiff` on ``base``.
+
+    SRNets masks, IMP masks and FFW's final gates all remove weights from a
+    frozen base. Stored as a diff whose values are ``-w`` at every pruned
+    entry, ``base + diff`` is exactly ``base * mask`` (``w + (-w) == 0`` in
+    floating point), so a pruned subnetwork is saved, fingerprinted, loaded
+    and composed with the same machinery as a MoDDiffy diff.
+
+    Args:
+      base: the params the mask applies to (their fingerprint goes in the diff).
+      keep_masks: bool subtree of ``base`` (selected leaves only), True = kept.
+      name: label of the diff (e.g. ``"mask"``, ``"ffw_dialect"``).
+      rules: the selection rules of the masked leaves (stored as metadata).
+      info: JSON-serialisable info; ``{"kind": "pruning"}`` is added.
+
+    Returns:
+      A SparseDiff holding ``-w`` at the pruned entries of each masked leaf
+      (an entry whose weight is already 0 is stored too, so ``nnz`` is the
+      number of pruned entries).
+    """
+    flat_base = flatten(base)
+    flat_keep = flatten(keep_masks)
+    missing = sorted(set(flat_keep) - set(flat_base))
+    if missing:
+        raise ValueError(f"Masks for leaves the base lacks: {missing[:5]}.")
+    arrays, keep = {}, {}
+    for p, k in flat_keep.items():
+        w = _host(flat_base[p])
+        k = _host(k).astype(bool)
+        if k.shape != w.shape:
+            raise ValueError(f"Mask {p!r} has shape {k.shape}, its weight {w.shape}.")
+        arrays[p] = -w
+        keep[p] = np.flatnonzero(~k.reshape(-1))
+    return _build(
+        arrays,
+        keep,
+        dtype=_common_dtype(arrays),
+        name=name,
+        base_fingerprint=fingerprint(base),
+        rules=rules,
+        info={"kind": "pruning", **dict(info or {})},
+    )
+
+
 def apply_diffs(
     base: PyTree,
     diffs: Sequence[SparseDiff],
