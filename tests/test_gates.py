@@ -188,3 +188,145 @@ def test_frozen_base_bit_identical_after_jitted_optax_step():
     assert all(
         bool(jnp.all(m < 0)) for m in jax.tree.leaves(logits)
     )  # every gate closes
+
+
+# -----------------------------------------------------------------------------
+# Structured gates with followers (whole channels).
+# -----------------------------------------------------------------------------
+
+
+def _conv_bn_relu(seed=0):
+    import flax.linen as nn
+
+    class ConvBNReLU(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Conv(4, (3, 3), name="conv")(x)
+            x = nn.BatchNorm(use_running_average=True, name="bn")(x)
+            return nn.relu(x)
+
+    rng = np.random.default_rng(seed)
+    model = ConvBNReLU()
+    x = jnp.asarray(rng.normal(size=(2, 5, 5, 3)), jnp.float32)
+    variables = model.init(jax.random.PRNGKey(seed), x)
+    f32 = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    params = {
+        "conv": {"kernel": variables["params"]["conv"]["kernel"], "bias": f32(4)},
+        # beta > 0 and small mu: a zeroed pre-BN channel stays visible after
+        # the ReLU (beta - gamma * mu / sigma > 0).
+        "bn": {"scale": 1.0 + 0.2 * f32(4), "bias": 1.0 + jnp.abs(f32(4))},
+    }
+    stats = {"bn": {"mean": 0.1 * f32(4), "var": 0.5 + jnp.abs(f32(4))}}
+
+    def apply(p):
+        return model.apply({"params": p, "batch_stats": stats}, x)
+
+    return params, apply
+
+
+FOLLOWERS = {"conv/kernel": ("conv/bias", "bn/scale", "bn/bias")}
+
+
+def test_structured_pruning_zeroes_whole_channels_after_bn_and_relu():
+    params, apply = _conv_bn_relu()
+    logits = {"conv": {"kernel": jnp.asarray([-0.5, 0.0, 1.0, -2.0], jnp.float32)}}
+    state = gt.GateState(logits=logits)
+    pruned = jax.jit(
+        lambda p, s: gt.apply_structured_pruning(p, s, followers=FOLLOWERS)
+    )(params, state)
+    out, vanilla = apply(pruned), apply(params)
+    gone = np.asarray([True, False, False, True])
+    assert np.all(np.asarray(out)[..., gone] == 0.0)  # exactly zero
+    np.testing.assert_array_equal(out[..., ~gone], vanilla[..., ~gone])
+    assert np.any(np.asarray(vanilla)[..., gone] != 0)
+    for path in ("conv/bias", "bn/scale", "bn/bias"):
+        leaf = selection.flatten(pruned)[path]
+        np.testing.assert_array_equal(
+            leaf, np.where(gone, 0.0, selection.flatten(params)[path])
+        )
+    # Gating the kernel alone (apply_pruning) does not remove the channel:
+    # eval-mode BN maps a zero pre-BN channel to beta - gamma * mu / sigma.
+    kernel_only = gt.apply_pruning(
+        {**params, "conv": {**params["conv"], "bias": jnp.zeros(4)}}, state
+    )
+    assert np.all(np.asarray(apply(kernel_only))[..., gone] > 0)
+    # Masks for pruning_diff have every parameter's full shape.
+    masks = selection.flatten(gt.pruning_masks(params, state, followers=FOLLOWERS))
+    assert masks["conv/kernel"].shape == (3, 3, 3, 4)
+    np.testing.assert_array_equal(masks["bn/scale"], ~gone)
+
+
+def test_structured_soft_gate_scales_the_channel_after_bn():
+    params, apply = _conv_bn_relu(1)
+    logits = {"conv": {"kernel": jnp.asarray([-1.0, -0.2, 0.0, 3.0], jnp.float32)}}
+    state = gt.GateState(logits=logits)
+    t = 0.5
+    gated = gt.apply_structured_gates(params, state, temperature=t, followers=FOLLOWERS)
+    g = np.minimum(1.0, 2 * _sigmoid(np.asarray(logits["conv"]["kernel"]) / t))
+    # The gate multiplies BN scale and bias (the last affine): g * relu(BN(conv)).
+    np.testing.assert_allclose(
+        apply(gated), g * np.asarray(apply(params)), rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_array_equal(gated["conv"]["kernel"], params["conv"]["kernel"])
+
+    # The clamped-gradient rule holds through the structured transform too.
+    def loss(lg):
+        eff = gt.apply_structured_gates(
+            params, gt.GateState(lg), temperature=t, followers=FOLLOWERS
+        )
+        return jnp.sum(eff["bn"]["scale"])
+
+    grad = jax.grad(loss)(logits)["conv"]["kernel"]
+    x = np.asarray(logits["conv"]["kernel"]) / t
+    want = np.asarray(params["bn"]["scale"]) * 2 * _sigmoid(x) * (1 - _sigmoid(x)) / t
+    np.testing.assert_allclose(grad, want, rtol=1e-5)
+    assert grad[3] != 0  # forward clamped at 1, gradient of the unclamped 2σ
+    # Near-zero temperature: soft and hard nets compute the same function.
+    hard = gt.apply_structured_pruning(params, state, followers=FOLLOWERS)
+    soft = gt.apply_structured_gates(
+        params, state, temperature=1e-9, followers=FOLLOWERS
+    )
+    np.testing.assert_allclose(apply(soft), apply(hard), atol=1e-6)
+
+
+def test_structured_without_bn_gates_kernel_and_own_bias():
+    params = _params()
+    state = gt.init_gates(params, INCLUDE, structured=True)
+    followers = gt.default_followers(params, ["conv/kernel", "fc/kernel"])
+    assert followers == {"conv/kernel": ("conv/bias",), "fc/kernel": ("fc/bias",)}
+    assert gt.soft_gated_paths("fc/kernel", ("fc/bias",)) == ("fc/kernel", "fc/bias")
+    logits = {"conv": {"kernel": jnp.full(4, -1.0)}, "fc": {"kernel": jnp.full(5, 0.5)}}
+    out = gt.apply_structured_gates(
+        params,
+        gt.GateState(logits),
+        temperature=1.0,
+        followers={"fc/kernel": ("fc/bias",)},
+    )
+    g = np.minimum(1.0, 2 * _sigmoid(-1.0))
+    np.testing.assert_allclose(
+        out["conv"]["kernel"], params["conv"]["kernel"] * g, rtol=1e-6
+    )
+    np.testing.assert_array_equal(out["conv"]["bias"], params["conv"]["bias"])
+    np.testing.assert_array_equal(out["fc"]["bias"], params["fc"]["bias"])  # g = 1
+    del state
+
+
+def test_structured_followers_are_checked():
+    params = _params()
+    logits = {"fc": {"kernel": jnp.zeros(5)}}
+    state = gt.GateState(logits=logits)
+    with pytest.raises(ValueError, match="shape"):
+        gt.apply_structured_pruning(
+            params, state, followers={"fc/kernel": ("bn/scale",)}
+        )
+    with pytest.raises(KeyError, match="not in the params"):
+        gt.apply_structured_pruning(
+            params, state, followers={"fc/kernel": ("fc/nope",)}
+        )
+    with pytest.raises(KeyError, match="no gate"):
+        gt.apply_structured_pruning(params, state, followers={"conv/kernel": ()})
+    unstructured = gt.GateState(logits={"fc": {"kernel": jnp.zeros((4, 5))}})
+    with pytest.raises(ValueError, match="per output channel"):
+        gt.apply_structured_pruning(
+            params, unstructured, followers={"fc/kernel": ("fc/bias",)}
+        )

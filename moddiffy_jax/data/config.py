@@ -1,8 +1,10 @@
 """Data config: every field the builders read, and the two entry points.
 
 ``load_text_dataset(config)`` = source -> optional ``max_examples_per_split``
-truncation -> optional train balancing. ``build_dataset(config, tokenizer)``
-tokenizes that to ``config.max_length`` tokens.
+truncation -> optional train balancing -> optional bias-only model
+(``config.bias``). ``build_dataset(config, tokenizer)`` tokenizes that to
+``config.max_length`` tokens; per-example extras (``bias_logprobs``) travel
+with the rows.
 """
 
 from __future__ import annotations
@@ -12,8 +14,13 @@ from typing import Any
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from moddiffy_jax.data import bias as bias_lib
 from moddiffy_jax.data.balance import balance_train_split
-from moddiffy_jax.data.dataset import TextDataset, TokenizedDataset
+from moddiffy_jax.data.dataset import (
+    TextDataset,
+    TokenizedDataset,
+    dataset_with_extras,
+)
 from moddiffy_jax.data.sources import get_source
 from moddiffy_jax.data.tokenize import tokenize_dataset
 
@@ -54,6 +61,9 @@ def default_data_config() -> ml_collections.ConfigDict:
     - ``synthetic.*``: parameters of the synthetic generator (sizes, number of
       task classes, per-attribute task correlation, optional dev/test
       correlation, label noise, marker probability).
+    - ``bias.*``: the bias-only model whose log-probabilities every split
+      carries as ``extras["bias_logprobs"]`` [N, C] (``bias.source`` empty:
+      none); see :func:`moddiffy_jax.data.bias.default_bias_config`.
     """
     c = ml_collections.ConfigDict()
     c.source = "synthetic"
@@ -100,6 +110,7 @@ def default_data_config() -> ml_collections.ConfigDict:
             "attr_marker_prob": 0.9,
         }
     )
+    c.bias = bias_lib.default_bias_config()
     return c
 
 
@@ -116,7 +127,15 @@ def truncate_splits(dataset: TextDataset, *, max_examples: int) -> TextDataset:
 
 
 def load_text_dataset(data_config: ml_collections.ConfigDict) -> TextDataset:
-    """Loads the configured source, truncates (optional) and balances (optional).
+    """Loads the source, truncates and balances (optional), adds bias log-probs.
+
+    With ``data.bias.source``: ``"file"`` arrays are attached to the rows as
+    the source read them (the files are row-aligned with the split files) and
+    carried through truncation and balancing; a fitted bias model
+    (``"attribute"``/``"features"``) is trained on the final train rows and
+    applied to the final rows of every split. Either way the splits carry
+    ``extras["bias_logprobs"]`` and ``dataset.bias_summary`` describes the
+    model. A config without a ``bias`` field (older runs) means no bias model.
 
     Args:
       data_config: a config shaped like :func:`default_data_config`.
@@ -124,7 +143,15 @@ def load_text_dataset(data_config: ml_collections.ConfigDict) -> TextDataset:
     Returns:
       The :class:`TextDataset`.
     """
+    bias_config = data_config.bias if "bias" in data_config else None
+    bias_source = bias_config.source if bias_config is not None else ""
+    if bias_source:
+        bias_lib.check_bias_config(bias_config)
     dataset = get_source(data_config.source)(data_config)
+    summary = {}
+    if bias_source == "file":
+        extras, summary = bias_lib.compute_bias_extras(dataset, bias_config)
+        dataset = dataset_with_extras(dataset, extras)
     if data_config.max_examples_per_split is not None:
         dataset = truncate_splits(
             dataset, max_examples=data_config.max_examples_per_split
@@ -133,6 +160,13 @@ def load_text_dataset(data_config: ml_collections.ConfigDict) -> TextDataset:
         dataset = balance_train_split(
             dataset, attribute=data_config.balance.attribute, seed=data_config.seed
         )
+    if bias_source == "file":
+        # Recount on the final rows (truncation/balancing changed them).
+        summary["splits"] = bias_lib.summarize_bias_splits(dataset)
+        dataset = dataset.replace(bias_summary=summary)
+    elif bias_source:
+        extras, summary = bias_lib.compute_bias_extras(dataset, bias_config)
+        dataset = dataset_with_extras(dataset, extras).replace(bias_summary=summary)
     return dataset
 
 
@@ -146,8 +180,13 @@ def build_dataset(
       tokenizer: any Hugging Face tokenizer.
 
     Returns:
-      The :class:`TokenizedDataset` with ``max_length = data_config.max_length``.
+      The :class:`TokenizedDataset` with ``max_length = data_config.max_length``;
+      every split keeps its text split's ``extras`` (row for row) and the
+      dataset its ``bias_summary``.
     """
-    return tokenize_dataset(
-        load_text_dataset(data_config), tokenizer, max_length=data_config.max_length
+    text = load_text_dataset(data_config)
+    tokenized = tokenize_dataset(text, tokenizer, max_length=data_config.max_length)
+    extras = {s: split.extras for s, split in text.splits.items() if split.extras}
+    return dataset_with_extras(tokenized, extras).replace(
+        bias_summary=dict(text.bias_summary)
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 import numpy as np
 
@@ -30,12 +31,16 @@ class RawSplit:
       task: int32 ``[N]`` task label indices into ``TextDataset.task_classes``.
       attrs: attribute name -> int32 ``[N]`` indices into
         ``TextDataset.attr_classes[name]``.
+      extras: per-example float32 arrays with leading dimension ``N`` (e.g.
+        ``"bias_logprobs"`` ``[N, C]``); carried through :meth:`take`, so they
+        stay row-aligned through truncation and balancing. Default empty.
     """
 
     text: list[str]
     text_pair: list[str] | None
     task: np.ndarray
     attrs: dict[str, np.ndarray]
+    extras: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         n = len(self.text)
@@ -50,6 +55,7 @@ class RawSplit:
                 raise ValueError(
                     f"{key} must be int32 [{n}], got {arr.dtype} {list(arr.shape)}."
                 )
+        _check_extras(self.extras, n)
 
     def __len__(self) -> int:
         return len(self.text)
@@ -64,6 +70,7 @@ class RawSplit:
             ),
             task=self.task[indices],
             attrs={k: v[indices] for k, v in self.attrs.items()},
+            extras={k: v[indices] for k, v in self.extras.items()},
         )
 
 
@@ -78,6 +85,10 @@ class TextDataset:
       name: dataset name for reports (e.g. ``"synthetic"``, ``"dwmw17_dialect"``).
       synthetic: True when the data is generated in code, so that reports can
         say so.
+      bias_summary: JSON-serialisable summary of the bias-only model whose
+        log-probabilities the splits carry as ``extras["bias_logprobs"]``
+        (see :func:`moddiffy_jax.data.bias.compute_bias_extras`); empty when
+        no bias model is configured.
     """
 
     splits: dict[str, RawSplit]
@@ -85,6 +96,7 @@ class TextDataset:
     attr_classes: dict[str, tuple[str, ...]]
     name: str
     synthetic: bool
+    bias_summary: dict = dataclasses.field(default_factory=dict)
 
     @property
     def attributes(self) -> tuple[str, ...]:
@@ -106,6 +118,10 @@ class TokenizedSplit:
       token_type_ids: int32 ``[N, L]``.
       task: int32 ``[N]``.
       attrs: attribute name -> int32 ``[N]``.
+      extras: name -> float32 per-example array with leading dimension ``N``,
+        e.g. ``"bias_logprobs"`` ``[N, C]`` (log-probabilities of a bias-only
+        model over the task classes) or ``"teacher_probs"`` ``[N, C]``.
+        Default empty; add arrays with :func:`with_extras`.
     """
 
     input_ids: np.ndarray
@@ -113,6 +129,7 @@ class TokenizedSplit:
     token_type_ids: np.ndarray
     task: np.ndarray
     attrs: dict[str, np.ndarray]
+    extras: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         n, length = self.input_ids.shape
@@ -128,6 +145,7 @@ class TokenizedSplit:
                 raise ValueError(
                     f"{key} must be int32 [{n}], got {arr.dtype} {list(arr.shape)}."
                 )
+        _check_extras(self.extras, n)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -137,8 +155,9 @@ class TokenizedSplit:
 
         Returns:
           ``{"input_ids", "attention_mask", "token_type_ids": [B, L] int32,
-          "task": [B] int32, "attrs": {name: [B] int32}}`` with
-          ``B = len(indices)``.
+          "task": [B] int32, "attrs": {name: [B] int32}, "extras": {name:
+          [B, ...] float32}}`` with ``B = len(indices)``; ``"extras"`` is
+          always present (``{}`` when the split has none).
         """
         indices = np.asarray(indices, dtype=np.int64)
         return {
@@ -147,6 +166,7 @@ class TokenizedSplit:
             "token_type_ids": self.token_type_ids[indices],
             "task": self.task[indices],
             "attrs": {k: v[indices] for k, v in self.attrs.items()},
+            "extras": {k: v[indices] for k, v in self.extras.items()},
         }
 
 
@@ -161,6 +181,9 @@ class TokenizedDataset:
       name: dataset name for reports.
       synthetic: True when the data is generated in code.
       max_length: token length ``L`` of every split.
+      bias_summary: summary of the bias-only model behind
+        ``extras["bias_logprobs"]`` (as in :class:`TextDataset`); empty when
+        none is configured.
     """
 
     splits: dict[str, TokenizedSplit]
@@ -169,11 +192,103 @@ class TokenizedDataset:
     name: str
     synthetic: bool
     max_length: int
+    bias_summary: dict = dataclasses.field(default_factory=dict)
 
     @property
     def attributes(self) -> tuple[str, ...]:
         """Protected attribute names, in configured order."""
         return tuple(self.attr_classes)
+
+    def replace(self, **changes) -> TokenizedDataset:
+        """Returns a copy with ``changes`` applied (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+
+SplitT = TypeVar("SplitT", RawSplit, TokenizedSplit)
+DatasetT = TypeVar("DatasetT", TextDataset, TokenizedDataset)
+
+
+def _check_extras(extras: Mapping[str, np.ndarray], n: int) -> None:
+    """Checks that every extra is a float32 array with leading dimension ``n``."""
+    for key, arr in extras.items():
+        if not isinstance(arr, np.ndarray) or arr.ndim < 1 or arr.shape[0] != n:
+            shape = list(np.shape(arr))
+            raise ValueError(
+                f"extras[{key!r}] must have leading dimension {n} (one row per "
+                f"example of the split), got shape {shape}. Fix: build it from the "
+                "split's final rows (after truncation and balancing)."
+            )
+        if arr.dtype != np.float32:
+            raise ValueError(
+                f"extras[{key!r}] must be float32, got {arr.dtype}. Fix: add it "
+                "with with_extras(), which casts floating arrays to float32."
+            )
+
+
+def _as_extra(name: str, value) -> np.ndarray:
+    arr = np.asarray(value)
+    if not np.issubdtype(arr.dtype, np.number) or np.iscomplexobj(arr):
+        raise ValueError(
+            f"extras[{name!r}] must be numeric (it is cast to float32), got "
+            f"{arr.dtype}."
+        )
+    return arr.astype(np.float32)
+
+
+def with_extras(split: SplitT, **arrays) -> SplitT:
+    """Returns a copy of ``split`` with per-example ``arrays`` added to its extras.
+
+    Works on a :class:`TokenizedSplit` or a :class:`RawSplit`; the split is not
+    changed. An existing extra of the same name is replaced.
+
+    Example::
+
+        train = with_extras(ds.splits["train"], bias_logprobs=log_probs)
+        next(TrainIterator(train, ...))["extras"]["bias_logprobs"]  # [B, C]
+
+    Args:
+      split: the split (``N`` examples).
+      **arrays: name -> numeric array with leading dimension ``N`` (cast to
+        float32), e.g. ``bias_logprobs`` ``[N, C]``.
+
+    Returns:
+      The split with ``extras = {**split.extras, **arrays}``.
+
+    Raises:
+      ValueError: an array whose leading dimension is not ``N``.
+    """
+    extras = dict(split.extras)
+    extras.update({k: _as_extra(k, v) for k, v in arrays.items()})
+    return dataclasses.replace(split, extras=extras)
+
+
+def dataset_with_extras(
+    dataset: DatasetT, extras: Mapping[str, Mapping[str, np.ndarray]]
+) -> DatasetT:
+    """Adds per-example extras to several splits of a dataset.
+
+    Args:
+      dataset: a :class:`TokenizedDataset` or :class:`TextDataset`.
+      extras: split name -> {extra name -> array with leading dimension ``N``
+        of that split}. Splits not named keep their extras.
+
+    Returns:
+      A copy of ``dataset`` whose named splits carry the arrays (as float32).
+
+    Raises:
+      ValueError: a split the dataset does not have, or a misaligned array.
+    """
+    unknown = sorted(set(extras) - set(dataset.splits))
+    if unknown:
+        raise ValueError(
+            f"Extras given for splits {unknown}, which the dataset does not have "
+            f"(its splits: {sorted(dataset.splits)})."
+        )
+    splits = {
+        name: with_extras(split, **extras.get(name, {}))
+        for name, split in dataset.splits.items()
+    }
+    return dataclasses.replace(dataset, splits=splits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +317,8 @@ def summarize_dataset(dataset: TextDataset | TokenizedDataset) -> dict:
     Returns:
       ``{"name", "synthetic", "task_classes", "attr_classes", "splits":
       {split: {"num_examples", "task": {class: count}, "attrs": {name:
-      {class: count}}}}}``.
+      {class: count}}}}}``, plus ``"bias"`` (the bias-model summary) when the
+      dataset has one.
     """
     splits = {}
     for split_name, split in dataset.splits.items():
@@ -214,13 +330,16 @@ def summarize_dataset(dataset: TextDataset | TokenizedDataset) -> dict:
                 for k in dataset.attr_classes
             },
         }
-    return {
+    summary = {
         "name": dataset.name,
         "synthetic": dataset.synthetic,
         "task_classes": list(dataset.task_classes),
         "attr_classes": {k: list(v) for k, v in dataset.attr_classes.items()},
         "splits": splits,
     }
+    if dataset.bias_summary:
+        summary["bias"] = dataset.bias_summary
+    return summary
 
 
 def _counts(labels: np.ndarray, classes: Sequence[str]) -> dict[str, int]:

@@ -16,6 +16,17 @@ every protected attribute, the leakage: the paper's probe ensemble trained on
 frozen CLS representations (mean and std over seeds of the balanced accuracy)
 and a linear probe. Results go to ``workdir/eval/results.json`` and a
 Markdown report ``workdir/eval/report.md``.
+
+Known-bias runs (SRNets) add, per configuration:
+
+* ``{split}_bias_aligned_acc`` / ``{split}_bias_conflicting_acc`` when the
+  splits carry ``extras["bias_logprobs"]`` (``data.bias``): accuracy on the
+  examples whose bias-model argmax is / is not the gold label;
+* ``ood: {name: metrics}`` for every enabled entry of ``config.eval.ood``
+  (HANS, PAWS, FEVER-Symmetric; :mod:`moddiffy_jax.eval.ood`).
+
+:func:`ood_and_bias_rows` computes just these two for any ``predict``
+callable, so the training loop can report them without the probes.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ import itertools
 import json
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +47,10 @@ import numpy as np
 from absl import logging
 
 from moddiffy_jax import checkpoints
+from moddiffy_jax.data import bias as bias_lib
 from moddiffy_jax.eval import inlp as inlp_lib
 from moddiffy_jax.eval import metrics as metrics_lib
+from moddiffy_jax.eval import ood as ood_lib
 from moddiffy_jax.eval import probes as probes_lib
 from moddiffy_jax.subnets import diffs as diffs_lib
 
@@ -117,10 +130,15 @@ class Representer:
         self._logits = jax.jit(lambda hp, h: model.task_logits(hp, h, None, False))
 
     def represent(self, params: Any, split: str) -> np.ndarray:
+        """CLS representations [N, H] of the run's split named ``split``."""
+        return self.represent_split(params, self.ctx.data.splits[split])
+
+    def represent_split(self, params: Any, split: Any) -> np.ndarray:
+        """CLS representations [N, H] of any TokenizedSplit (e.g. an OOD set)."""
         from moddiffy_jax.data import eval_batches
 
         out = []
-        for batch in eval_batches(self.ctx.data.splits[split], self.batch_size):
+        for batch in eval_batches(split, self.batch_size):
             inputs = {
                 k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")
             }
@@ -130,6 +148,35 @@ class Representer:
 
     def predict(self, head: Any, h: np.ndarray) -> np.ndarray:
         return np.asarray(jnp.argmax(self._logits(head, jnp.asarray(h)), -1))
+
+
+def _aligned_mask(split: Any) -> np.ndarray | None:
+    """Bias-aligned mask [N] of a split carrying ``bias_logprobs``, else None."""
+    extras = getattr(split, "extras", {})
+    if bias_lib.BIAS_KEY not in extras:
+        return None
+    return bias_lib.bias_aligned(extras[bias_lib.BIAS_KEY], split.task)
+
+
+def bias_split_metrics(split: Any, predictions: np.ndarray) -> dict[str, float]:
+    """Accuracy on the bias-aligned and bias-conflicting examples of a split.
+
+    Args:
+      split: a TokenizedSplit carrying ``extras["bias_logprobs"]`` [N, C].
+      predictions: int [N] task predictions in row order.
+
+    Returns:
+      ``{"bias_aligned_acc", "bias_conflicting_acc", "bias_unbiased_acc"}``
+      (``NaN`` for an empty subset), or ``{}`` when the split has no bias
+      log-probs.
+    """
+    aligned = _aligned_mask(split)
+    if aligned is None:
+        return {}
+    acc = metrics_lib.bias_aligned_conflicting_accuracy(
+        split.task, predictions, aligned
+    )
+    return {f"bias_{k}_acc": v for k, v in acc.items()}
 
 
 def _task_metrics(ctx, rep: Representer, head, reps, splits) -> dict[str, Any]:
@@ -144,6 +191,7 @@ def _task_metrics(ctx, rep: Representer, head, reps, splits) -> dict[str, Any]:
             num_classes=len(ctx.data.task_classes),
             attrs={a: data.attrs[a] for a in attrs},
             attr_num_classes={a: len(ctx.data.attr_classes[a]) for a in attrs},
+            aligned=_aligned_mask(data),
         )
         out[split] = report
     return out
@@ -191,12 +239,122 @@ def _leakage(ctx, reps, probe_config, *, linear: bool) -> dict[str, Any]:
     return out
 
 
-def _row(ctx, rep, head, reps, probe_config, linear, splits) -> dict[str, Any]:
+def _row(
+    ctx, rep, head, reps, probe_config, linear, splits, ood_sets=None, ood_reps=None
+) -> dict[str, Any]:
     task = _task_metrics(ctx, rep, head, reps, splits)
     row = {f"{s}_task_acc": task[s]["accuracy"] for s in splits}
+    for s in splits:
+        if "bias_aligned/accuracy" in task[s]:
+            row[f"{s}_bias_aligned_acc"] = task[s]["bias_aligned/accuracy"]
+            row[f"{s}_bias_conflicting_acc"] = task[s]["bias_conflicting/accuracy"]
     row["task"] = task
     row["leakage"] = _leakage(ctx, reps, probe_config, linear=linear)
+    if ood_sets:
+        row["ood"] = {
+            name: ood_lib.ood_metrics(oset, rep.predict(head, ood_reps[name]))
+            for name, oset in ood_sets.items()
+        }
     return row
+
+
+def load_run_ood_sets(
+    config: ml_collections.ConfigDict,
+    task_classes: Sequence[str],
+    tokenizer: Any = None,
+) -> dict[str, ood_lib.OODSet]:
+    """The enabled OOD sets of a run's ``config.eval.ood`` ({} if none).
+
+    Run configs saved before ``eval.ood`` existed have no such field and get
+    ``{}``.
+
+    Args:
+      config: the run's full config.
+      task_classes: the model's task classes (``ctx.data.task_classes``).
+      tokenizer: the run's tokenizer; ``None`` loads the one of
+        ``config.model`` (only when some entry is enabled).
+
+    Returns:
+      name -> :class:`~moddiffy_jax.eval.ood.OODSet`.
+    """
+    ood_config = config.eval.ood if "ood" in config.eval else None
+    if not ood_lib.enabled_entries(ood_config):
+        return {}
+    if tokenizer is None:
+        from moddiffy_jax.models import text as text_lib
+
+        tokenizer = text_lib.load_tokenizer_for(config.model)
+    return ood_lib.load_ood_sets(
+        ood_config,
+        tokenizer,
+        max_length=config.data.max_length,
+        task_classes=tuple(task_classes),
+    )
+
+
+def ood_and_bias_rows(
+    ctx: Any,
+    predict: Callable[[Any, Any], np.ndarray],
+    params_by_row: Mapping[str, Any],
+    *,
+    splits: Sequence[str] = ("dev", "test"),
+    ood_sets: Mapping[str, ood_lib.OODSet] | None = None,
+    tokenizer: Any = None,
+) -> dict[str, dict[str, Any]]:
+    """OOD metrics and bias-aligned/conflicting accuracy for several models.
+
+    For the training loop's end-of-run table, without the probe machinery::
+
+        def predict(params, split):          # split: a TokenizedSplit
+            enc, head = params
+            ...                               # argmax over eval_batches(split)
+            return preds                      # int [N], row order
+        extra = composition.ood_and_bias_rows(
+            ctx, predict, {"core": (core, head), "core+gender": (composed, head)}
+        )
+        for label, fields in extra.items():
+            results["composition"][label].update(fields)
+
+    Args:
+      ctx: anything with ``.config`` (the run config) and ``.data`` (the
+        TokenizedDataset), e.g. ``train.Context``.
+      predict: ``predict(params, split) -> int [N]`` task predictions of the
+        model ``params`` on a TokenizedSplit (one of ``ctx.data.splits`` or an
+        OOD set's ``split``), in row order.
+      params_by_row: row label -> whatever ``predict`` takes as ``params``.
+      splits: the run's splits for the aligned/conflicting accuracy (those
+        without ``extras["bias_logprobs"]`` or absent are skipped).
+      ood_sets: preloaded sets (reuse them across calls); ``None`` loads
+        ``ctx.config.eval.ood`` via :func:`load_run_ood_sets`.
+      tokenizer: used only when loading the OOD sets (``None``: the run's).
+
+    Returns:
+      row label -> ``{"{split}_bias_aligned_acc", "{split}_bias_conflicting_acc"
+      (bias runs only), "ood": {name: metrics} (when OOD sets exist)}``; an
+      empty dict per row when neither applies.
+    """
+    if ood_sets is None:
+        ood_sets = load_run_ood_sets(ctx.config, ctx.data.task_classes, tokenizer)
+    bias_splits = [
+        s
+        for s in splits
+        if s in ctx.data.splits and _aligned_mask(ctx.data.splits[s]) is not None
+    ]
+    rows: dict[str, dict[str, Any]] = {}
+    for label, params in params_by_row.items():
+        row: dict[str, Any] = {}
+        for s in bias_splits:
+            split = ctx.data.splits[s]
+            acc = bias_split_metrics(split, np.asarray(predict(params, split)))
+            row[f"{s}_bias_aligned_acc"] = acc["bias_aligned_acc"]
+            row[f"{s}_bias_conflicting_acc"] = acc["bias_conflicting_acc"]
+        if ood_sets:
+            row["ood"] = {
+                name: ood_lib.ood_metrics(oset, np.asarray(predict(params, oset.split)))
+                for name, oset in ood_sets.items()
+            }
+        rows[label] = row
+    return rows
 
 
 def evaluate_run(
@@ -230,12 +388,23 @@ def evaluate_run(
     config = load_run_config(workdir)
     art = load_artifacts(workdir)
     ctx = train.build_context(config)
-    missing = [s for s in SPLITS if s not in ctx.data.splits]
-    if missing:
+    if ctx.attributes:
+        missing = [s for s in SPLITS if s not in ctx.data.splits]
+        if missing:
+            raise ValueError(
+                f"The run's data has no {missing} split; leakage probes need train, "
+                "dev and test (set config.data.splits)."
+            )
+    # Without protected attributes (e.g. MNLI) there are no probes, and the
+    # table reports whichever of dev/test the run has.
+    eval_splits = tuple(s for s in ("dev", "test") if s in ctx.data.splits)
+    if not eval_splits:
         raise ValueError(
-            f"The run's data has no {missing} split; leakage probes need train, dev "
-            "and test (set config.data.splits)."
+            "The run's data has neither a dev nor a test split; add one to "
+            "config.data.splits."
         )
+    # Train representations only feed the probes and INLP.
+    rep_splits = (("train",) if ctx.attributes else ()) + eval_splits
     probe_config = probe_config or probes_lib.ProbeConfig()
     weights = dict(weights or {})
     unknown = sorted(set(weights) - set(art.attribute_diffs))
@@ -253,18 +422,30 @@ def evaluate_run(
     names = [a for a in ctx.attributes if a in art.diffs]
     names += [n for n in art.attribute_diffs if n not in names]
     attr_diffs = [art.diffs[n] for n in names]
+    ood_sets = load_run_ood_sets(config, ctx.data.task_classes)
     rows: dict[str, Any] = {}
-    core_reps = None
+    core_reps = core_ood_reps = None
     for subset in _subsets(names, max_subset_size):
         w = [weights.get(n, 1.0) if n in subset else 0.0 for n in names]
         params = evaluator.compose(base, attr_diffs, w) if names else base
-        reps = {s: rep.represent(params, s) for s in SPLITS}
+        reps = {s: rep.represent(params, s) for s in rep_splits}
+        ood_reps = {
+            n: rep.represent_split(params, o.split) for n, o in ood_sets.items()
+        }
         if not subset:
-            core_reps = reps
+            core_reps, core_ood_reps = reps, ood_reps
         label = _label(subset, weights)
         logging.info("Evaluating %s", label)
         rows[label] = _row(
-            ctx, rep, art.head, reps, probe_config, linear, ("dev", "test")
+            ctx,
+            rep,
+            art.head,
+            reps,
+            probe_config,
+            linear,
+            eval_splits,
+            ood_sets,
+            ood_reps,
         )
     if inlp:
         for attr in ctx.attributes:
@@ -279,10 +460,22 @@ def evaluate_run(
             )
             projected = {
                 s: np.asarray(inlp_lib.apply_projection(core_reps[s], fit.projection))
-                for s in SPLITS
+                for s in rep_splits
+            }
+            projected_ood = {
+                n: np.asarray(inlp_lib.apply_projection(h, fit.projection))
+                for n, h in core_ood_reps.items()
             }
             row = _row(
-                ctx, rep, art.head, projected, probe_config, linear, ("dev", "test")
+                ctx,
+                rep,
+                art.head,
+                projected,
+                probe_config,
+                linear,
+                eval_splits,
+                ood_sets,
+                projected_ood,
             )
             row["inlp"] = {
                 "attribute": attr,
@@ -301,6 +494,17 @@ def evaluate_run(
         },
         "weights": weights,
         "probe_config": dataclasses.asdict(probe_config),
+        "bias": dict(getattr(ctx.data, "bias_summary", {}) or {}),
+        "ood_sets": {
+            n: {
+                "source": o.source,
+                "path": o.path,
+                "label_map": o.label_map,
+                "classes": list(o.classes),
+                "num_examples": len(o),
+            }
+            for n, o in ood_sets.items()
+        },
         "composition": rows,
         "wall_time_s": time.time() - start,
     }
@@ -333,9 +537,32 @@ def _fmt(mean: float | None, std: float | None = None) -> str:
     return f"{mean:.3f} ± {std:.3f}"
 
 
+def _ood_names(results: Mapping[str, Any]) -> list[str]:
+    names = list(results.get("ood_sets") or {})
+    for row in results["composition"].values():
+        names += [n for n in row.get("ood", {}) if n not in names]
+    return names
+
+
+def _bias_splits(results: Mapping[str, Any]) -> list[str]:
+    return [
+        s
+        for s in ("dev", "test")
+        if any(f"{s}_bias_aligned_acc" in r for r in results["composition"].values())
+    ]
+
+
 def format_report(results: Mapping[str, Any]) -> str:
-    """The composition table as Markdown (one row per configuration)."""
+    """The composition table as Markdown (one row per configuration).
+
+    Bias-aligned/conflicting accuracies and OOD accuracies (plus PAWS F1) get
+    their own columns when present; full OOD breakdowns (HANS per heuristic,
+    PAWS F1s) follow in one table per OOD set.
+    """
     attrs = results["attributes"]
+    rows = results["composition"]
+    bias_splits = _bias_splits(results)
+    ood_names = _ood_names(results)
     synthetic = " (SYNTHETIC data)" if results.get("synthetic") else ""
     lines = [
         f"# Composition matrix: {results['method']} on {results['dataset']}{synthetic}",
@@ -347,33 +574,82 @@ def format_report(results: Mapping[str, Any]) -> str:
         "1/#classes. `lin` is a linear probe.",
         "",
     ]
+    if bias_splits:
+        lines += [
+            "`aligned` / `conflicting`: task accuracy on the examples whose "
+            "bias-only model prediction is / is not the gold label.",
+            "",
+        ]
+    if ood_names:
+        lines += [
+            "OOD columns: accuracy on each out-of-distribution set after mapping "
+            "the model's classes to the set's (F1: duplicate-class F1 for PAWS).",
+            "",
+        ]
+    has_f1 = {
+        n: any("f1" in r.get("ood", {}).get(n, {}) for r in rows.values())
+        for n in ood_names
+    }
     header = ["configuration", "dev acc", "test acc", "test macro-F1"]
+    for s in bias_splits:
+        header += [f"{s} aligned acc", f"{s} conflicting acc"]
+    for n in ood_names:
+        header += [f"{n} acc"] + ([f"{n} F1"] if has_f1[n] else [])
     for a in attrs:
         header += [f"{a} leakage", f"{a} lin", f"{a} RMS TPR gap"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "---|" * len(header))
-    for label, row in results["composition"].items():
-        test = row["task"]["test"]
+    for label, row in rows.items():
+        test = row["task"].get("test", {})
         cells = [
             label,
-            _fmt(row["dev_task_acc"]),
-            _fmt(row["test_task_acc"]),
-            _fmt(test["macro_f1"]),
+            _fmt(row.get("dev_task_acc")),
+            _fmt(row.get("test_task_acc")),
+            _fmt(test.get("macro_f1")),
         ]
+        for s in bias_splits:
+            cells.append(_fmt(row.get(f"{s}_bias_aligned_acc")))
+            cells.append(_fmt(row.get(f"{s}_bias_conflicting_acc")))
+        for n in ood_names:
+            m = row.get("ood", {}).get(n, {})
+            cells.append(_fmt(m.get("accuracy")))
+            if has_f1[n]:
+                cells.append(_fmt(m.get("f1")))
         for a in attrs:
             leak = row["leakage"][a]
             cells.append(_fmt(leak["mean"], leak["std"]))
             cells.append(_fmt(leak.get("linear", {}).get("test_balanced_accuracy")))
             cells.append(_fmt(test.get(f"{a}/rms_tpr_gap")))
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _ood_detail_tables(rows, ood_names)
     notes = sorted(
-        {
-            n
-            for row in results["composition"].values()
-            for a in attrs
-            for n in row["leakage"][a]["notes"]
-        }
+        {n for row in rows.values() for a in attrs for n in row["leakage"][a]["notes"]}
     )
     if notes:
         lines += ["", "Notes:"] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _ood_detail_tables(rows: Mapping[str, Any], ood_names: Sequence[str]) -> list:
+    """One Markdown table per OOD set with metrics beyond accuracy."""
+    lines = []
+    for n in ood_names:
+        keys = []
+        for row in rows.values():
+            keys += [
+                k
+                for k in row.get("ood", {}).get(n, {})
+                if k not in ("num_examples", "accuracy") and k not in keys
+            ]
+        if not keys:
+            continue
+        lines += ["", f"## OOD set {n}", ""]
+        lines.append("| configuration | accuracy | " + " | ".join(keys) + " |")
+        lines.append("|" + "---|" * (len(keys) + 2))
+        for label, row in rows.items():
+            m = row.get("ood", {}).get(n)
+            if m is None:
+                continue
+            cells = [label, _fmt(m.get("accuracy"))] + [_fmt(m.get(k)) for k in keys]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines

@@ -39,11 +39,13 @@ import optax
 from moddiffy_jax import objectives
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import hard_concrete, selection
+from moddiffy_jax.subnets import masks as masks_lib
 
 PyTree = Any
 Key = tuple[str, ...]
 
-ENCODER_MODES = ("full", "adapter", "diff", "frozen")
+ENCODER_MODES = ("full", "adapter", "diff", "frozen", "mask", "imp", "retrain")
+TASK_LOSSES = ("ce", "poe", "reweighting", "conf_reg")
 DEBIAS_MODES = ("none", "joint", "modular")
 DEBIAS_OBJECTIVES = ("adversarial", "mmd")
 
@@ -69,6 +71,8 @@ class MethodDef:
 
     @property
     def phases(self) -> tuple[str, ...]:
+        """Phases independent of the config (IMP's rounds come from the config:
+        see ``registry.phases_of``)."""
         return ("l0", "fixmask") if self.uses_diffs else ("train",)
 
 
@@ -149,8 +153,9 @@ ROLE_RULES: tuple[tuple[str, str], ...] = (
     (r"(task_diff|diffs/[^/]+)/(log_alpha|group_log_alpha)(/.*)?", "log_alpha"),
     (r"(task_diff|diffs/[^/]+)/.*", "diff"),
     (r"(task_head|adversaries/[^/]+)/.*", "heads"),
+    (r"scores/.*", "scores"),
 )
-ROLES = ("encoder", "adapter", "log_alpha", "diff", "heads")
+ROLES = ("encoder", "adapter", "log_alpha", "diff", "heads", "scores")
 
 
 def role_labels(parts: PyTree) -> PyTree:
@@ -314,28 +319,99 @@ def debias_term(
     return f"mmd/{attribute}", settings.mmd_weight * value
 
 
-def _task_forward(
-    model, method, trainable, frozen, batch, rng, *, phase, settings, attribute
-):
-    """Encoder forward (with ``attribute``'s diff, if any) and the task CE.
+def subnetwork_params(
+    method: MethodDef, trainable: Mapping[str, Any], frozen: Mapping[str, Any]
+) -> tuple[PyTree, PyTree]:
+    """Effective ``(encoder, head)`` of the SRNets encoder modes.
 
-    Returns ``(h, terms, rng_for_removal)`` with ``terms = {"task": CE}``.
+    * ``mask``: frozen encoder and head times straight-through masks of the
+      trained scores (``trainable["scores"]`` over ``{"core", "task_head"}``)
+      at the fixed ``trainable["thresholds"]``;
+    * ``imp``: trained weights times the round's masks (``trainable["masks"]``);
+    * ``retrain``: trained weights times a fixed mask (``frozen["masks"]``).
+    """
+    if method.encoder == "mask":
+        tree = masks_lib.apply_masks(
+            {"core": frozen["base"], "task_head": frozen["task_head"]},
+            trainable["scores"],
+            thresholds=trainable["thresholds"],
+        )
+        return tree["core"], tree["task_head"]
+    keep = trainable["masks"] if method.encoder == "imp" else frozen["masks"]
+    return masks_lib.apply_binary_masks(trainable["core"], keep), trainable["task_head"]
+
+
+def task_loss_value(name: str, logits: jax.Array, batch: Mapping[str, Any]):
+    """The task term: cross-entropy or a known-bias loss (``config.method.task_loss``).
+
+    Known-bias losses read the bias model's log-probabilities
+    ``batch["extras"]["bias_logprobs"]`` [B, C] and, for ``conf_reg``, the
+    teacher's ``batch["extras"]["teacher_probs"]`` [B, C].
+    """
+    labels = batch["task"]
+    if name == "ce":
+        return objectives.cross_entropy(logits, labels)
+    extras = batch.get("extras", {})
+    if "bias_logprobs" not in extras:
+        raise ValueError(
+            f"config.method.task_loss={name!r} needs the bias model's predictions: "
+            "set config.data.bias.source (attribute, features or file)."
+        )
+    fn = objectives.get_known_bias_loss(name)
+    bias_probs = jnp.exp(extras["bias_logprobs"].astype(jnp.float32))
+    if name == "conf_reg":
+        if "teacher_probs" not in extras:
+            raise ValueError(
+                "config.method.task_loss='conf_reg' needs a teacher: set "
+                "config.method.teacher_run to a finished finetune run."
+            )
+        return fn(logits, labels, bias_probs, extras["teacher_probs"])
+    return fn(logits, labels, bias_probs)
+
+
+def _task_forward(
+    model,
+    method,
+    trainable,
+    frozen,
+    batch,
+    rng,
+    *,
+    phase,
+    settings,
+    attribute,
+    task_loss="ce",
+):
+    """Encoder forward (with ``attribute``'s diff, if any) and the task term.
+
+    Returns ``(h, terms, rng_for_removal)`` with ``terms = {"task": loss}``.
     """
     r_diff, r_enc, r_head, r_adv = jax.random.split(rng, 4)
-    params = encoder_params(
-        method,
-        trainable,
-        frozen,
-        phase=phase,
-        settings=settings,
-        attribute=attribute,
-        rng=r_diff,
-        train=True,
-    )
-    h = model.represent(params, batch, r_enc, True)
-    head = trainable.get("task_head", frozen.get("task_head"))
+    if method.encoder in ("mask", "imp", "retrain"):
+        params, head = subnetwork_params(method, trainable, frozen)
+    else:
+        params = encoder_params(
+            method,
+            trainable,
+            frozen,
+            phase=phase,
+            settings=settings,
+            attribute=attribute,
+            rng=r_diff,
+            train=True,
+        )
+        head = trainable.get("task_head", frozen.get("task_head"))
+    terms = {}
+    if getattr(model, "stateful", False) and method.encoder == "full":
+        # BatchNorm: train-mode batch statistics, and the updated running
+        # statistics go back into the core after the optimizer update.
+        h, stats = model.represent_with_state(params, batch, r_enc)
+        terms[STATE_KEY] = {("core", "batch_stats"): stats}
+    else:
+        h = model.represent(params, batch, r_enc, True)
     logits = model.task_logits(head, h, r_head, True)
-    return h, {"task": objectives.cross_entropy(logits, batch["task"])}, r_adv
+    terms["task"] = task_loss_value(task_loss, logits, batch)
+    return h, terms, r_adv
 
 
 def make_task_loss(
@@ -346,6 +422,7 @@ def make_task_loss(
     diff_settings: DiffSettings | None,
     debias: DebiasSettings | None,
     attributes: Sequence[str],
+    task_loss: str = "ce",
 ) -> Callable:
     """Loss of the task step (plus joint debias terms and the task-diff L0)."""
 
@@ -360,6 +437,7 @@ def make_task_loss(
             phase=phase,
             settings=diff_settings,
             attribute=None,
+            task_loss=task_loss,
         )
         if method.debias == "joint":
             for i, attr in enumerate(attributes):
@@ -377,7 +455,7 @@ def make_task_loss(
         if method.encoder == "diff" and phase == "l0":
             penalty = diffs_lib.l0_penalty(trainable["task_diff"], hc=diff_settings.hc)
             terms["l0/task"] = diff_settings.l0_weight * penalty
-        return sum(terms.values()), terms
+        return _total(terms), terms
 
     return loss
 
@@ -390,6 +468,7 @@ def make_debias_loss(
     phase: str,
     diff_settings: DiffSettings,
     debias: DebiasSettings,
+    task_loss: str = "ce",
 ) -> Callable:
     """Loss of attribute ``attribute``'s modular debias step.
 
@@ -408,6 +487,7 @@ def make_debias_loss(
             phase=phase,
             settings=diff_settings,
             attribute=attribute,
+            task_loss=task_loss,
         )
         name, value = debias_term(
             model,
@@ -425,13 +505,22 @@ def make_debias_loss(
                 trainable["diffs"][attribute], hc=diff_settings.hc
             )
             terms[f"l0/{attribute}"] = diff_settings.l0_weight * penalty
-        return sum(terms.values()), terms
+        return _total(terms), terms
 
     return loss
 
 
 # --------------------------------------------------------------------------
 # The step factory.
+
+#: A loss may return, under this key of its terms, ``{key: value}`` state that
+#: is not differentiated but replaced after the update (BatchNorm running
+#: statistics: ``{("core", "batch_stats"): new_stats}``).
+STATE_KEY = "_state"
+
+
+def _total(terms: Mapping[str, Any]) -> jax.Array:
+    return sum(v for k, v in terms.items() if k != STATE_KEY)
 
 
 def make_train_step(substeps: Sequence[SubStep]) -> Callable:
@@ -462,6 +551,8 @@ def make_train_step(substeps: Sequence[SubStep]) -> Callable:
             )
             own = optax.apply_updates(own, updates)
             trainable = scatter_parts(trainable, own, sub.updates)
+            for key, value in terms.pop(STATE_KEY, {}).items():
+                trainable = set_part(trainable, key, value)
             metrics[f"{sub.name}/loss"] = total
             metrics[f"{sub.name}/grad_norm"] = optax.global_norm(grads)
             for name, value in terms.items():

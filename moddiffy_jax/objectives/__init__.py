@@ -14,6 +14,7 @@ from moddiffy_jax.objectives.known_bias import (
     product_of_experts_loss,
 )
 from moddiffy_jax.objectives.mmd import mmd_loss, multi_kernel_matrix
+from moddiffy_jax.objectives.mutual_info import mutual_information
 
 __all__ = [
     "KNOWN_BIAS_LOSSES",
@@ -27,5 +28,6 @@ __all__ = [
     "majority_vote",
     "mmd_loss",
     "multi_kernel_matrix",
+    "mutual_information",
     "product_of_experts_loss",
 ]

@@ -30,12 +30,27 @@ including the final classifier; never biases or BN affine parameters), use
 Differences from the reference code (renahon/debiasing_surgeon_ffw):
 
 * Structured variant. The released code defines a ``StructuredGate`` that
-  multiplies a layer's *output* and is never instantiated. Here a structured
-  gate scales the output channels of the *kernel*, which equals gating the
-  pre-bias, pre-normalisation output. A pruned channel therefore still emits
-  its bias, and after an eval-mode BatchNorm a zeroed pre-BN channel becomes
-  ``beta - gamma * mu / sigma != 0``: to remove a unit/channel entirely, also
-  gate the following bias/BN output (or gate after BN and the activation).
+  multiplies a layer's *output* and is never instantiated. :func:`apply_gates`
+  with ``[out]`` logits scales the output channels of the *kernel* only,
+  which equals gating the pre-bias, pre-normalisation output: a pruned
+  channel still emits its bias, and after an eval-mode BatchNorm a zeroed
+  pre-BN channel becomes ``beta - gamma * mu / sigma != 0``. To remove a
+  channel entirely use :func:`apply_structured_gates` /
+  :func:`apply_structured_pruning` with the kernel's *followers* (see below).
+* Structured gates with followers. ``followers`` maps a gated kernel's path
+  to the paths of the per-channel parameters that belong to its output
+  channels, in the same tree: the layer's own bias and, for a conv followed
+  by a BatchNorm, the BN ``scale`` and ``bias`` (each of shape ``[out]``).
+  The *soft* gate multiplies the parameters of the last affine of the chain:
+  the followers outside the kernel's own module (the BN scale and bias) if
+  there are any, otherwise the kernel and its own bias. So the soft-gated
+  channel output is ``g * BN(conv(x))`` (the gate after BN, as the spec
+  asks; also after a ReLU, since ``relu(g z) = g relu(z)`` for ``g >= 0``) or
+  ``g * (x W + b)`` for a layer without BN. *Hard pruning* (``m < 0``) zeroes
+  the kernel's output channel and the entry of every follower, so the
+  channel's output is exactly 0 after the BN (``0 * (y - mu) / sigma + 0``)
+  and after any activation with ``act(0) = 0`` (ReLU, tanh, GELU). At
+  ``g = 0`` the soft and hard nets compute the same function.
 * Temperature is an ordinary (traceable) argument, so a temperature decay does
   not recompile the train step; the reference recomputes its gated weights
   after each optimizer step and temperature change, which is implicit here.
@@ -46,7 +61,7 @@ Differences from the reference code (renahon/debiasing_surgeon_ffw):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import flax.struct
@@ -58,6 +73,7 @@ from moddiffy_jax.subnets import selection
 
 PyTree = Any
 Array = jax.Array
+Followers = Mapping[str, Sequence[str]]
 
 
 @flax.struct.dataclass
@@ -260,3 +276,176 @@ def pruned_fraction(
         total += n_gates * per_weight
     overall = (pruned_total / max(total, 1)).astype(jnp.float32)
     return overall, per_leaf
+
+
+# -----------------------------------------------------------------------------
+# Structured gates that remove whole channels (kernel + followers).
+# -----------------------------------------------------------------------------
+
+
+def _module_of(path: str) -> str:
+    return path.rpartition(selection.PATH_SEP)[0]
+
+
+def default_followers(params: PyTree, kernel_paths: Iterable[str]) -> dict[str, tuple]:
+    """Each kernel's own bias as its only follower (Dense/Conv without BN).
+
+    Args:
+      params: the parameter pytree.
+      kernel_paths: "/"-joined paths of gated kernels.
+
+    Returns:
+      ``{kernel_path: ("<module>/bias",)}``, or ``()`` for a kernel whose
+      module has no ``bias`` leaf.
+    """
+    flat = selection.flatten(params)
+    out = {}
+    for p in kernel_paths:
+        module = _module_of(p)
+        bias = f"{module}{selection.PATH_SEP}bias" if module else "bias"
+        out[p] = (bias,) if bias in flat and bias != p else ()
+    return out
+
+
+def soft_gated_paths(kernel_path: str, followers: Sequence[str]) -> tuple[str, ...]:
+    """The parameters a soft structured gate multiplies (module docstring).
+
+    The followers outside the kernel's module (e.g. a following BatchNorm's
+    scale and bias) if there are any; otherwise the kernel and its followers
+    (its own bias).
+    """
+    own = _module_of(kernel_path)
+    downstream = tuple(f for f in followers if _module_of(f) != own)
+    return downstream if downstream else (kernel_path, *followers)
+
+
+def _structured_plan(
+    base: PyTree, state: GateState, followers: Followers | None
+) -> tuple[dict[str, Any], dict[str, tuple[str, ...]]]:
+    """Checks shapes and returns ``(flat_base, {gated_path: followers})``."""
+    flat_base = selection.flatten(base)
+    followers = dict(followers or {})
+    flat_logits = selection.flatten(state.logits)
+    unknown = sorted(set(followers) - set(flat_logits))
+    if unknown:
+        raise KeyError(f"followers names kernels that have no gate: {unknown[:5]}.")
+    plan, owner = {}, {}
+    for p, m in flat_logits.items():
+        if p not in flat_base:
+            raise KeyError(f"Gate path {p!r} is not in the params.")
+        _check_broadcast(f" at {p!r}", flat_base[p], m)
+        fol = tuple(followers.get(p, ()))
+        structured = np.ndim(m) == 1 and np.ndim(flat_base[p]) > 1
+        if fol and not structured:
+            raise ValueError(
+                f"{p!r} has followers but its gate is not per output channel "
+                f"(gate shape {np.shape(m)}, weight shape {np.shape(flat_base[p])})."
+            )
+        for f in fol:
+            if f not in flat_base:
+                raise KeyError(f"Follower {f!r} of {p!r} is not in the params.")
+            if np.shape(flat_base[f]) != np.shape(m):
+                raise ValueError(
+                    f"Follower {f!r} of {p!r} has shape {np.shape(flat_base[f])}; "
+                    f"a per-channel follower must have the gate's shape "
+                    f"{np.shape(m)}."
+                )
+            if f in owner or f in flat_logits:
+                other = owner.get(f, f)
+                raise ValueError(
+                    f"{f!r} follows {p!r} but is also gated by {other!r}; a "
+                    "parameter may belong to one gated channel group only."
+                )
+            owner[f] = p
+        plan[p] = fol
+    return flat_base, plan
+
+
+def apply_structured_gates(
+    base: PyTree,
+    state: GateState,
+    *,
+    temperature: float | Array,
+    followers: Followers | None,
+) -> PyTree:
+    """Soft structured gating: per-channel gates on a kernel and its followers.
+
+    For every gated kernel with logits ``[out]``, the gate
+    ``g = min(1, 2 * sigmoid(m / T))`` multiplies the parameters named by
+    :func:`soft_gated_paths` (module docstring): the following BatchNorm's
+    scale and bias when the kernel has BN followers, else the kernel's output
+    channels and its own bias. Leaves with full-shape (unstructured) logits
+    and no followers are gated as in :func:`apply_gates`.
+
+    Args:
+      base: the frozen parameter pytree.
+      state: gate logits, a subtree of ``base``.
+      temperature: ``T > 0``; may be traced.
+      followers: ``{kernel_path: (follower_path, ...)}`` of per-channel
+        ``[out]`` parameters of ``base`` (a static mapping of strings: close
+        over it, do not pass it through ``jax.jit``). A gated kernel missing
+        from it has no followers.
+
+    Returns:
+      A pytree with the structure and dtypes of ``base``. Pure and jit-able.
+    """
+    flat_base, plan = _structured_plan(base, state, followers)
+    values = selection.flatten(gate_values(state.logits, temperature=temperature))
+    new = {}
+    for p, fol in plan.items():
+        g = values[p]
+        targets = soft_gated_paths(p, fol) if fol else (p,)
+        for t in targets:
+            w = flat_base[t]
+            new[t] = w * g.astype(w.dtype)
+    return selection.merge(base, selection.unflatten(new))
+
+
+def pruning_masks(
+    base: PyTree, state: GateState, *, followers: Followers | None = None
+) -> dict[str, Any]:
+    """Full-shape keep masks of the pruning rule ``m >= 0``.
+
+    Args:
+      base: the parameter pytree.
+      state: gate logits, a subtree of ``base``.
+      followers: optional ``{kernel_path: (follower_path, ...)}``; a pruned
+        channel is also pruned in each follower.
+
+    Returns:
+      A bool subtree of ``base`` (the gated leaves and their followers), each
+      mask with its parameter's shape; True means kept. Ready for
+      :func:`moddiffy_jax.subnets.diffs.pruning_diff`.
+    """
+    flat_base, plan = _structured_plan(base, state, followers)
+    keep = selection.flatten(prune_rule(state))
+    masks = {}
+    for p, fol in plan.items():
+        masks[p] = jnp.broadcast_to(keep[p], np.shape(flat_base[p]))
+        for f in fol:
+            masks[f] = keep[p]
+    return selection.unflatten(masks)
+
+
+def apply_structured_pruning(
+    base: PyTree, state: GateState, *, followers: Followers | None
+) -> PyTree:
+    """Hard structured pruning: channels with ``m < 0`` removed entirely.
+
+    Zeroes the pruned output channels of each gated kernel and the same
+    entries of every follower (its bias, the following BN's scale and bias);
+    kept parameters are the unscaled ``W0``. With eval-mode BN and an
+    activation with ``act(0) = 0`` the channel's output is exactly 0.
+
+    Args:
+      base: the frozen parameter pytree.
+      state: gate logits (``[out]`` per structured kernel).
+      followers: ``{kernel_path: (follower_path, ...)}`` (static).
+
+    Returns:
+      A pytree with the structure and dtypes of ``base``. Pure and jit-able.
+    """
+    masks = pruning_masks(base, state, followers=followers)
+    return selection.map_subtree(
+        lambda w, k: jnp.where(k, w, jnp.zeros_like(w)), base, masks
+    )

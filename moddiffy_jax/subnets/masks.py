@@ -484,6 +484,44 @@ def imp_prune(params: PyTree, masks: PyTree, *, fraction: float) -> PyTree:
     return jax.tree.map(one, weights, masks)
 
 
+def imp_prune_to(params: PyTree, masks: PyTree, *, sparsity: float) -> PyTree:
+    """An IMP round to an exact cumulative per-matrix sparsity.
+
+    Each masked matrix of ``n`` entries keeps exactly ``round((1 - sparsity)
+    * n)`` entries: the largest ``|w|`` among those it still keeps (ties:
+    lower flat index pruned first). Pruned entries stay pruned. With
+    ``sparsity = s * (k + 1) / R`` in round ``k`` this is the reference's
+    schedule (``1 / (R - k)`` of the remaining entries per round for
+    ``s = 1``) without its per-round rounding drift. Host-side.
+
+    Args:
+      params: current parameters.
+      masks: bool (or uint8) subtree of ``params``; True means kept.
+      sparsity: cumulative fraction of each matrix to prune, in [0, 1]; it
+        must not be below a matrix's current sparsity.
+
+    Returns:
+      New bool masks with the structure of ``masks``.
+    """
+    _check_fraction("sparsity", float(sparsity))
+    weights = selection.subtree(params, selection.tree_paths(masks))
+
+    def one(w: Array, m: Array) -> Array:
+        m = jnp.asarray(m).astype(bool)
+        if m.shape != w.shape:
+            raise ValueError(f"Mask shape {m.shape} != weight shape {w.shape}.")
+        target = _num_pruned(m.size, float(sparsity))
+        already = m.size - int(jnp.sum(m))
+        if target < already:
+            raise ValueError(
+                f"Sparsity {sparsity} would un-prune entries ({already} of {m.size} "
+                "are already pruned); IMP sparsity can only grow."
+            )
+        return _keep_above_rank(w, m, jnp.asarray(target, jnp.int32))
+
+    return jax.tree.map(one, weights, masks)
+
+
 @jax.jit
 def _keep_above_rank(w: Array, m: Array, target: Array) -> Array:
     """Keeps entries of rank >= target in (pruned first, |w|, flat index) order."""

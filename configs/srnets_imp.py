@@ -1,0 +1,29 @@
+r"""SRNets iterative magnitude pruning (IMP), with or without rewinding.
+
+Round k of R prunes every selected matrix to the cumulative sparsity
+s * (k + 1) / R by smallest |w| among its remaining weights, then trains
+num_steps / R steps with a fresh optimizer. Paradigm 1 (prune a fine-tuned
+model, no rewinding) starts from a finetune run; paradigm 2 (lottery ticket:
+prune the pretrained model, rewinding the encoder to its pretrained weights
+after every prune; the classifier is never rewound) starts from the
+pretrained encoder::
+
+    # paradigm 2: find the mask with PoE on dwmw17, then retrain it in isolation
+    python -m moddiffy_jax.main --config=configs/srnets_imp.py:data=dwmw17,loss=poe,sparsity=0.5 \
+        --config.srnets.rewind=True --workdir=runs/srnets_lt_dwmw17
+    python -m moddiffy_jax.main --config=configs/srnets_retrain.py:data=dwmw17,loss=poe \
+        --config.srnets.mask_run=runs/srnets_lt_dwmw17 --workdir=runs/srnets_lt_retrain_dwmw17
+    # paradigm 1: IMP on a fine-tuned model
+    python -m moddiffy_jax.main --config=configs/srnets_imp.py:data=dwmw17,sparsity=0.5 \
+        --config.method.core_run=runs/finetune_dwmw17 --workdir=runs/srnets_imp_dwmw17
+
+Arguments after ":" as in configs/srnets_mask.py. The trained subnetwork is
+exported as the core; its mask (relative to the start weights) as
+export/mask.safetensors.
+"""
+
+from moddiffy_jax.config_lib import experiment_config
+
+
+def get_config(arg=None):
+    return experiment_config("srnets_imp", arg)

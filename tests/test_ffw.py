@@ -1,0 +1,529 @@
+"""FFW surgery: MI estimator, losses and gradients, controllers, end-to-end runs."""
+
+import dataclasses
+import json
+import math
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import safetensors.numpy
+
+from moddiffy_jax import checkpoints, train
+from moddiffy_jax.config_lib import experiment_config
+from moddiffy_jax.methods import ffw
+from moddiffy_jax.objectives.classification import cross_entropy
+from moddiffy_jax.objectives.mutual_info import mutual_information
+from moddiffy_jax.subnets import diffs as diffs_lib
+from moddiffy_jax.subnets import gates as gt
+from moddiffy_jax.subnets import selection
+
+# -----------------------------------------------------------------------------
+# Mutual information.
+# -----------------------------------------------------------------------------
+
+
+def test_mutual_information_hand_example():
+    # b = [0, 0, 1, 1]; B^T Q = [[.9+.6, .1+.4], [.2+.3, .8+.7]] = [[1.5, .5],
+    # [.5, 1.5]]; J = B^T Q / 4 = [[.375, .125], [.125, .375]]; p_b = p_hat =
+    # [.5, .5], M = .25 everywhere; I = (2 * .375 ln(1.5) + 2 * .125 ln(.5)) /
+    # ln 2 = .75 log2(1.5) - .25 = 0.18872187554...
+    labels = jnp.asarray([0, 0, 1, 1])
+    probs = jnp.asarray([[0.9, 0.1], [0.6, 0.4], [0.2, 0.8], [0.3, 0.7]])
+    want = 0.75 * math.log2(1.5) - 0.25
+    got = jax.jit(mutual_information, static_argnames="num_classes")(
+        labels, probs, num_classes=2
+    )
+    assert float(got) == pytest.approx(want, rel=1e-5)
+    assert want == pytest.approx(0.1887218755, rel=1e-9)
+
+
+def test_mutual_information_clamp_before_dividing():
+    # C = 3 with class 2 absent: B^T Q = [[1, 0, 0], [0, 1, 0], [0, 0, 0]]; the
+    # zeros are clamped to 1e-15 *before* dividing by N = 2, so J holds 5e-16
+    # there. p_b = p_hat = [.5 + 1e-15, .5 + 1e-15, 1.5e-15]. In float64:
+    b = np.asarray([0, 1])
+    q = np.asarray([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    joint = np.maximum(np.eye(3)[b].T @ q, 1e-15) / 2
+    assert joint[2, 2] == 5e-16
+    m = np.maximum(joint.sum(1, keepdims=True) * joint.sum(0, keepdims=True), 1e-15)
+    want = float(np.sum(joint * np.log(joint / m)) / np.log(3))
+    assert want == pytest.approx(math.log(2) / math.log(3), rel=1e-9)
+    got = mutual_information(jnp.asarray(b), jnp.asarray(q), num_classes=3)
+    assert float(got) == pytest.approx(want, rel=1e-5)
+
+
+def test_mutual_information_properties():
+    rng = np.random.default_rng(0)
+    labels = jnp.asarray(rng.integers(0, 4, size=64))
+    # Predictions independent of b (the same row for everyone): I = 0.
+    const = jnp.tile(jax.nn.softmax(jnp.asarray(rng.normal(size=4))), (64, 1))
+    assert abs(float(mutual_information(labels, const, num_classes=4))) < 1e-6
+    # Perfect prediction of a uniform bias: I = 1.
+    uniform = jnp.asarray(np.repeat(np.arange(4), 16))
+    perfect = jax.nn.one_hot(uniform, 4)
+    assert float(mutual_information(uniform, perfect, num_classes=4)) == (
+        pytest.approx(1.0, abs=1e-5)
+    )
+    # Zero-weight padding rows give the estimate of the real rows alone.
+    probs = jax.nn.softmax(jnp.asarray(rng.normal(size=(64, 4))), -1)
+    real = mutual_information(labels[:40], probs[:40], num_classes=4)
+    weights = jnp.asarray(np.arange(64) < 40, jnp.float32)
+    padded = mutual_information(labels, probs, num_classes=4, weights=weights)
+    np.testing.assert_allclose(padded, real, rtol=1e-5)
+    ones = mutual_information(labels, probs, num_classes=4, weights=jnp.ones(64))
+    np.testing.assert_allclose(ones, mutual_information(labels, probs, num_classes=4))
+    with pytest.raises(ValueError, match="num_classes"):
+        mutual_information(labels, probs, num_classes=3)
+
+
+# -----------------------------------------------------------------------------
+# Losses and the gate step on a toy model.
+# -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyModel:
+    """represent: tanh(x W + b) [B, 6]; task head: linear."""
+
+    def represent(self, params, batch, rng, train):
+        del rng, train
+        return jnp.tanh(
+            batch["x"] @ params["dense"]["kernel"] + params["dense"]["bias"]
+        )
+
+    def task_logits(self, head, h, rng, train):
+        del rng, train
+        return h @ head["kernel"] + head["bias"]
+
+
+ATTRS = {"color": 3, "size": 2}
+
+
+def _toy(seed=0):
+    rng = np.random.default_rng(seed)
+    f32 = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    base = {
+        "encoder": {"dense": {"kernel": f32(5, 6), "bias": f32(6)}},
+        "task_head": {"kernel": f32(6, 3), "bias": f32(3)},
+    }
+    batch = {
+        "inputs": {"x": f32(12, 5)},
+        "task": jnp.asarray(rng.integers(0, 3, 12), jnp.int32),
+        "bias": {
+            a: jnp.asarray(rng.integers(0, n, 12), jnp.int32) for a, n in ATTRS.items()
+        },
+        "weight": jnp.asarray(np.arange(12) < 10, jnp.float32),
+    }
+    ph = ffw.init_bias_heads(jax.random.PRNGKey(seed), 6, ATTRS)
+    logits = jax.tree.map(lambda x: 0.3 * x, f32(5, 6))  # some gates clamped
+    logits = {
+        "encoder": {"dense": {"kernel": logits}},
+        "task_head": {"kernel": f32(6, 3)},
+    }
+    return base, batch, ph, logits
+
+
+def _apply(base, logits, t):
+    return gt.apply_gates(base, gt.GateState(logits), temperature=t)
+
+
+def _losses(logits, ph, base, batch, t, **kw):
+    return ffw.ffw_losses(
+        logits,
+        ph,
+        base,
+        batch["inputs"],
+        batch["task"],
+        batch["bias"],
+        batch["weight"],
+        t,
+        model=ToyModel(),
+        apply_fn=_apply,
+        alpha=kw.get("alpha", 1.0),
+        gamma=kw.get("gamma", 10.0),
+        attr_classes=ATTRS,
+    )
+
+
+def test_ph_gradient_comes_only_from_its_detached_ce():
+    base, batch, ph, logits = _toy()
+    t = jnp.float32(0.5)
+    model = ToyModel()
+
+    def mi_of(p, h):
+        mis = [
+            mutual_information(
+                batch["bias"][a],
+                jax.nn.softmax(ffw.bias_logits(p[a], h)),
+                num_classes=n,
+                weights=batch["weight"],
+            )
+            for a, n in ATTRS.items()
+        ]
+        return sum(mis) / len(mis)
+
+    def objective(lg, p):  # alpha * CE + gamma * mean MI, nothing stopped
+        params = _apply(base, lg, t)
+        h = model.represent(params["encoder"], batch["inputs"], None, False)
+        ce = cross_entropy(
+            model.task_logits(params["task_head"], h, None, False),
+            batch["task"],
+            batch["weight"],
+        )
+        return ce + 10.0 * mi_of(p, h), h
+
+    @jax.jit
+    def everything(lg, p):
+        g_logits, g_ph = jax.grad(
+            lambda a, b: _losses(a, b, base, batch, t)[0], (0, 1)
+        )(lg, p)
+        h = objective(lg, p)[1]
+        return {
+            "g_logits": g_logits,
+            "g_ph": g_ph,
+            # The PH's CE on the (constant) features alone.
+            "want_ph": jax.grad(ffw.bias_ce)(p, h, batch["bias"], batch["weight"]),
+            # The gates' objective with the PH as a constant.
+            "want_logits": jax.grad(lambda a: objective(a, p)[0])(lg),
+            # Without the stop_gradient the MI would train the PH.
+            "mi_grad_ph": jax.grad(mi_of)(p, h),
+            "g_logits_gamma0": jax.grad(
+                lambda a: _losses(a, p, base, batch, t, gamma=0.0)[0]
+            )(lg),
+        }
+
+    out = everything(logits, ph)
+    chex.assert_trees_all_close(out["g_ph"], out["want_ph"], rtol=1e-5, atol=1e-7)
+    # Not vacuous: the MI term does depend on the PH.
+    assert (
+        max(float(jnp.abs(x).max()) for x in jax.tree.leaves(out["mi_grad_ph"])) > 1e-4
+    )
+    # Gates get alpha * CE + gamma * mean MI (task path and attached MI path);
+    # the PH's CE (on detached features) contributes nothing.
+    chex.assert_trees_all_close(out["g_logits"], out["want_logits"], rtol=1e-4)
+    # gamma = 0 removes the MI path: gate gradients change.
+    diff = jax.tree.map(
+        lambda a, b: float(jnp.abs(a - b).max()),
+        out["g_logits_gamma0"],
+        out["g_logits"],
+    )
+    assert max(jax.tree.leaves(diff)) > 1e-6
+
+
+def test_gate_step_coupled_adam_frozen_base_and_one_trace():
+    base, batch, ph, logits = _toy()
+    base_copy = jax.tree.map(np.array, base)
+    cfg = ffw.default_ffw_config()
+    gate_opt, ph_opt = ffw.make_gate_optimizer(cfg), ffw.make_ph_optimizer(cfg)
+    step = ffw.make_gate_step(
+        model=ToyModel(),
+        apply_fn=_apply,
+        gate_opt=gate_opt,
+        ph_opt=ph_opt,
+        alpha=1.0,
+        gamma=10.0,
+        attr_classes=ATTRS,
+    )
+    jitted = jax.jit(chex.assert_max_traces(step, n=1))
+    state = ffw.GateTrainState(logits, gate_opt.init(logits), ph, ph_opt.init(ph))
+    args = (batch["inputs"], batch["task"], batch["bias"], batch["weight"])
+
+    # First step by hand: torch Adam with coupled L2 (g + wd m), bias-corrected.
+    t = jnp.float32(1.0)
+    g_l, g_p = jax.jit(
+        jax.grad(lambda lg, p: _losses(lg, p, base, batch, t)[0], (0, 1))
+    )(logits, ph)
+    new, aux = jitted(state, base, *args, t)
+    for m0, g, m1 in zip(
+        jax.tree.leaves(logits),
+        jax.tree.leaves(g_l),
+        jax.tree.leaves(new.logits),
+        strict=True,
+    ):
+        g = g + 1e-4 * m0
+        mu, nu = 0.1 * g, 0.001 * g**2
+        want = m0 - 1e-3 * (mu / 0.1) / (jnp.sqrt(nu / 0.001) + 1e-8)
+        np.testing.assert_allclose(m1, want, rtol=1e-5, atol=1e-7)
+    # torch SGD: momentum buffer = g + wd p on the first step; p -= lr * buf.
+    for p0, g, p1 in zip(
+        jax.tree.leaves(ph), jax.tree.leaves(g_p), jax.tree.leaves(new.ph), strict=True
+    ):
+        np.testing.assert_allclose(p1, p0 - 0.1 * (g + 1e-4 * p0), rtol=1e-5, atol=1e-7)
+    assert set(aux) >= {"task_ce", "mi", "mi/color", "mi/size", "ph_ce"}
+    state = new
+    for temperature in (0.1, 0.01, 1e-9):  # a decay does not retrace
+        state, _ = jitted(state, base, *args, jnp.float32(temperature))
+    chex.assert_trees_all_equal(base, base_copy)
+
+
+def test_ph_epoch_matches_sequential_steps():
+    rng = np.random.default_rng(3)
+    feats = jnp.asarray(rng.normal(size=(10, 6)), jnp.float32)
+    labels = {a: jnp.asarray(rng.integers(0, n, 10)) for a, n in ATTRS.items()}
+    ph = ffw.init_bias_heads(jax.random.PRNGKey(1), 6, ATTRS)
+    opt = ffw.make_ph_optimizer(ffw.default_ffw_config())
+    idx, w = ffw._epoch_batches(10, 4, (0, 1))
+    assert (
+        idx.shape == (3, 4)
+        and w.sum() == 10
+        and sorted(idx.ravel()[:10]) == list(range(10))
+    )
+    got, _, loss = jax.jit(ffw.make_ph_epoch(opt))(
+        ph, opt.init(ph), feats, labels, idx, w
+    )
+
+    @jax.jit
+    def step(p, s, h, b):
+        value, g = jax.value_and_grad(ffw.bias_ce)(p, h, b, jnp.ones(h.shape[0]))
+        upd, s = opt.update(g, s, p)
+        return optax.apply_updates(p, upd), s, value
+
+    p, s, total = ph, opt.init(ph), 0.0
+    for i, wb in zip(idx, w, strict=True):  # the last batch: 2 real rows + padding
+        real = i[wb > 0]
+        p, s, value = step(p, s, feats[real], {a: v[real] for a, v in labels.items()})
+        total += float(value) * len(real)
+    chex.assert_trees_all_close(got, p, rtol=1e-5, atol=1e-6)
+    assert float(loss) == pytest.approx(total / 10, rel=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# Host-side controllers.
+# -----------------------------------------------------------------------------
+
+
+def test_temperature_controller_scripted_sequence():
+    kw = {"factor": 0.1, "patience": 2, "threshold": 0.05}
+    state = ffw.TemperatureState(1.0)
+    mis = [1.0, 0.99, 0.97, 0.96, 0.96, 0.5, 0.49, 0.48, 0.476, 0.3]
+    temps, changes, bests = [], [], []
+    for mi in mis:
+        state, changed = ffw.step_temperature(state, mi, **kw)
+        temps.append(state.temperature)
+        changes.append(changed)
+        bests.append(state.best)
+    # 1.0 sets best; .99/.97/.96 are >= .95 * best: 3 bad epochs > patience 2 at
+    # the 4th call -> decay. best stays 1.0, so the next .96 is bad again (a
+    # reset best would have taken it). .5 improves; .49, .48, .476 are
+    # >= .475 -> bad, decay at the 9th call. .3 improves.
+    assert changes == [
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+        False,
+        False,
+        True,
+        False,
+    ]
+    assert temps == pytest.approx([1, 1, 1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.01, 0.01])
+    assert bests == [1.0, 1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.3]
+    assert state.num_bad == 0
+    # patience 5 (the default): the 7th non-improving epoch decays.
+    state, changed_at = ffw.TemperatureState(1.0), []
+    for e in range(14):
+        state, changed = ffw.step_temperature(
+            state, 0.5, factor=0.1, patience=5, threshold=0.05
+        )
+        if changed:
+            changed_at.append(e + 1)
+    assert changed_at == [7, 13]
+
+
+def test_plateau_rule():
+    s = ffw.PlateauState()
+    bad = []
+    for loss in [1.0, 0.9, 0.8995, 0.9, 0.5, 0.4999]:
+        s = ffw.step_plateau(s, loss, threshold=1e-3)
+        bad.append(s.num_bad)
+    # .8995 > (1 - 1e-3) * .9 = .8991 is bad (no relative improvement).
+    assert bad == [0, 0, 1, 2, 0, 1]
+    assert s.best == 0.5
+
+
+# -----------------------------------------------------------------------------
+# End to end on the tiny BERT.
+# -----------------------------------------------------------------------------
+
+# Decays are forced (threshold 1: every epoch after the first is "bad",
+# patience 0): T = 1 at epochs 1-2, 0.1 at 3, stop after the 3rd decision
+# (0.01 < tau_min).
+FAST = {
+    "batch_size": 16,
+    "ph_max_epochs": 4,
+    "tau_patience": 0,
+    "tau_threshold": 1.0,
+    "tau_min": 0.05,
+    "max_gate_epochs": 6,
+    "gate_head": True,
+    "lr": 0.05,
+}
+
+
+def ffw_config(core_run, train_overrides=None, **overrides):
+    config = experiment_config("ffw", "model=tiny")
+    with config.unlocked():
+        config.method.core_run = str(core_run)
+        for key, value in {**FAST, **overrides}.items():
+            config.ffw[key] = value
+        for key, value in (train_overrides or {}).items():
+            config.train[key] = value
+    return config
+
+
+@pytest.fixture(scope="module")
+def core_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("vanilla")
+    config = experiment_config("finetune", "model=tiny")
+    train.train_and_evaluate(config, workdir)
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def ffw_run(core_run, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("ffw")
+    return workdir, train.train_and_evaluate(ffw_config(core_run), workdir)
+
+
+def _records(workdir):
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines]
+
+
+def test_run_writes_outputs_and_the_diff_is_the_pruning(core_run, ffw_run):
+    workdir, results = ffw_run
+    export = workdir / "export"
+    assert json.loads((workdir / "results.json").read_text())["method"] == "ffw"
+    assert results["num_gate_epochs"] == 3 and results["stop_reason"] == "tau_min"
+    temps = [r["temperature"] for r in results["temperature_history"]]
+    assert temps == pytest.approx([1.0, 1.0, 0.1])
+    assert [d["epoch"] for d in results["temperature_decays"]] == [2, 3]
+    records = _records(workdir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for key in ("train/task_ce", "train/mi", "val/mi", "temperature", "val/bias_acc"):
+        assert all(key in r for r in records), key
+    assert all(0.0 <= r["pruned_fraction"] <= 1.0 for r in records)
+
+    # The vanilla core and head are re-exported with the core run's metadata.
+    core, meta = checkpoints.load_params(export / "core.safetensors")
+    _, meta0 = checkpoints.load_params(core_run / "export" / "core.safetensors")
+    assert meta == meta0 and meta["fingerprint"] == diffs_lib.fingerprint(core)
+    head, _ = checkpoints.load_params(export / "task_head.safetensors")
+
+    # The final pruning diff applied to the core equals apply_pruning.
+    logits, _ = checkpoints.load_params(export / "ffw_gates.safetensors")
+    state = gt.GateState(logits)
+    want = jax.jit(gt.apply_pruning)({"encoder": core, "task_head": head}, state)
+    diff = diffs_lib.load_sparse_diff(export / "diffs" / "ffw.safetensors", base=core)
+    chex.assert_trees_all_equal(
+        jax.jit(diffs_lib.apply_diffs)(core, [diff]), want["encoder"]
+    )
+    pruned_head, _ = checkpoints.load_params(export / "task_head_pruned.safetensors")
+    chex.assert_trees_all_equal(pruned_head, want["task_head"])
+    assert set(selection.flatten(logits)) == set(results["gated_leaves"])
+    assert results["gated_leaves"][0].startswith("encoder/encoder/layer_0/")
+    n_pruned = sum(int(np.sum(m < 0)) for m in jax.tree.leaves(logits))
+    n_gated = sum(np.size(m) for m in jax.tree.leaves(logits))
+    final = results["final"]
+    assert final["pruned_fraction"] == pytest.approx(n_pruned / n_gated)
+    assert set(final["pruned_fraction_per_layer"]) == set(results["gated_leaves"])
+    assert 0 < final["pruned_fraction"] < 1  # lr 0.05 moves the gates
+    for label in ("vanilla", "final", "best_intermediate"):
+        entry = results[label]
+        assert set(entry["eval"]) == {"dev", "test"}
+        for split in entry["eval"].values():
+            assert 0.0 <= split["accuracy"] <= 1.0
+            assert "gender/unbiased_accuracy" in split
+        assert set(entry["leakage"]["mi"]) == {"gender", "age"}
+    best = results["best_intermediate"]
+    assert best["epoch"] in (2, 3)
+    assert best["score_val_bias_acc"] == min(
+        d["pruned_val_bias_acc"] for d in results["temperature_decays"]
+    )
+    best_dir = export / "ffw_best_intermediate"
+    best_diff = diffs_lib.load_sparse_diff(
+        best_dir / "ffw_best_intermediate.safetensors", base=core
+    )
+    best_logits, _ = checkpoints.load_params(
+        best_dir / "ffw_best_intermediate_gates.safetensors"
+    )
+    want = jax.jit(gt.apply_pruning)(
+        {"encoder": core, "task_head": head}, gt.GateState(best_logits)
+    )
+    chex.assert_trees_all_equal(
+        jax.jit(diffs_lib.apply_diffs)(core, [best_diff]), want["encoder"]
+    )
+    # Only the final diff sits in export/diffs (evaluate_run composes those).
+    assert sorted(p.name for p in (export / "diffs").iterdir()) == ["ffw.safetensors"]
+
+
+def test_resume_equals_uninterrupted(core_run, ffw_run, tmp_path):
+    ref_dir, ref = ffw_run
+    with pytest.raises(train.Preempted):
+        ffw.run_ffw(ffw_config(core_run, {"stop_at_step": 2}), tmp_path)
+    assert not (tmp_path / "results.json").exists()
+    results = ffw.run_ffw(ffw_config(core_run), tmp_path)
+
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if not k.endswith("time_s")}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        if isinstance(x, str):
+            return x.replace(str(tmp_path), "W").replace(str(ref_dir), "W")
+        return x
+
+    assert strip(results) == strip(ref)
+    assert strip(_records(tmp_path)) == strip(_records(ref_dir))
+    for rel in (
+        "diffs/ffw.safetensors",
+        "ffw_gates.safetensors",
+        "task_head_pruned.safetensors",
+        "ffw_best_intermediate/ffw_best_intermediate.safetensors",
+    ):
+        a = safetensors.numpy.load_file(tmp_path / "export" / rel)
+        b = safetensors.numpy.load_file(ref_dir / "export" / rel)
+        chex.assert_trees_all_equal(a, b)  # bit for bit
+
+
+def test_structured_selection_and_followers_on_bert(core_run):
+    config = ffw_config(core_run, structured=True)
+    core, head, _ = train._load_core_run(str(core_run))
+    cfg = config.ffw
+    ctx_model = object()  # no prunable_rule / structured_followers: text defaults
+    include, exclude, paths = ffw.gate_selection(cfg, ctx_model, core, head)
+    assert include == (ffw.TEXT_INCLUDE,) and exclude == ()
+    assert len(paths) == 2 * 6 + 1  # Q, K, V, attn out, FFN in, FFN out; head
+    assert paths[-1] == "task_head/output/kernel"
+    followers = ffw.gate_followers(ctx_model, core, head, paths)
+    assert followers["encoder/encoder/layer_1/intermediate/dense/kernel"] == (
+        "encoder/encoder/layer_1/intermediate/dense/bias",
+    )
+    base = {"encoder": core, "task_head": head}
+    state = gt.init_gates(base, [re.escape(p) for p in paths], structured=True)
+    rng = np.random.default_rng(0)
+    state = gt.GateState(
+        jax.tree.map(lambda m: jnp.asarray(rng.normal(size=m.shape)), state.logits)
+    )
+    pruned = jax.jit(
+        lambda b, s: gt.apply_structured_pruning(b, s, followers=followers)
+    )(base, state)
+    flat, flat_logits = selection.flatten(pruned), selection.flatten(state.logits)
+    masks = gt.pruning_masks(base, state, followers=followers)
+    sd = diffs_lib.pruning_diff(core, masks["encoder"], name="ffw")
+    chex.assert_trees_all_equal(
+        jax.jit(diffs_lib.apply_diffs)(core, [sd]), pruned["encoder"]
+    )
+    for path, m in flat_logits.items():
+        gone = np.asarray(m) < 0
+        assert gone.any() and not gone.all()
+        assert np.all(np.asarray(flat[path])[..., gone] == 0)
+        assert np.all(np.asarray(flat[path])[..., ~gone] != 0)
+        assert np.all(np.asarray(flat[path[: -len("kernel")] + "bias"])[gone] == 0)
