@@ -287,6 +287,21 @@ def set_srnets(c: ml_collections.ConfigDict, opts: dict[str, str]) -> None:
     c.srnets.reset_every = 50
 
 
+def set_ffw_for_cpu(c: ml_collections.ConfigDict, data: str) -> None:
+    """FFW surgery sized for a 2-core CPU (the reference runs up to 200 gate
+    epochs with patience 5 and 9 temperature decays).
+
+    Patience 2 and a stop at temperature 1e-4 (4 decays) with at most 30 gate
+    epochs; on text, gates train on a fixed 2,000-example subset of train.
+    """
+    c.ffw.tau_patience = 2
+    c.ffw.tau_min = 1e-4
+    c.ffw.max_gate_epochs = 30
+    if data not in VISION_DATA:
+        c.ffw.max_gate_train_examples = 2000
+        c.ffw.max_gate_epochs = 12
+
+
 def experiment_config(method: str, arg: str | None) -> ml_collections.ConfigDict:
     """The locked config of ``method`` for the ``arg`` variant."""
     opts = parse_arg(arg)
@@ -303,5 +318,7 @@ def experiment_config(method: str, arg: str | None) -> ml_collections.ConfigDict
         set_tiny_model(c)
     else:
         size_for_cpu(c, opts["data"])
+        if method == "ffw":
+            set_ffw_for_cpu(c, opts["data"])
     c.lock()
     return c

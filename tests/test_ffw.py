@@ -527,3 +527,40 @@ def test_structured_selection_and_followers_on_bert(core_run):
         assert np.all(np.asarray(flat[path])[..., gone] == 0)
         assert np.all(np.asarray(flat[path])[..., ~gone] != 0)
         assert np.all(np.asarray(flat[path[: -len("kernel")] + "bias"])[gone] == 0)
+
+
+def test_vision_vanilla_then_structured_ffw_from_configs(tmp_path):
+    """Biased MNIST: vanilla training through the shared loop (BatchNorm
+    running statistics updated by the step), then structured FFW surgery."""
+    vanilla = experiment_config("finetune", "data=bmnist,model=tiny")
+    results = train.train_and_evaluate(vanilla, tmp_path / "vanilla")
+    assert results["synthetic"] is False and results["dataset"] == "biased_mnist"
+    core, _ = checkpoints.load_params(
+        tmp_path / "vanilla" / "export" / "core.safetensors"
+    )
+    ctx = train.build_context(vanilla)
+    stats0 = ctx.pretrained["batch_stats"]
+    assert not np.allclose(core["batch_stats"]["bn_0"]["mean"], stats0["bn_0"]["mean"])
+
+    config = experiment_config("ffw", "data=bmnist,model=tiny")
+    with config.unlocked():
+        config.method.core_run = str(tmp_path / "vanilla")
+        config.ffw.structured = True
+        for key, value in FAST.items():
+            config.ffw[key] = value
+    out = train.train_and_evaluate(config, tmp_path / "ffw")
+    assert set(out["final"]["pruned_fraction_per_layer"]) == set(out["gated_leaves"])
+    for label in ("vanilla", "final"):
+        test = out[label]["eval"]["test"]
+        for key in (
+            "accuracy",
+            "color/unbiased_accuracy",
+            "color/conflicting_accuracy",
+        ):
+            assert 0.0 <= test[key] <= 1.0
+    # Structured: every gated kernel is pruned by whole output channels.
+    logits, _ = checkpoints.load_params(
+        tmp_path / "ffw" / "export" / "ffw_gates.safetensors"
+    )
+    for path, m in selection.flatten(logits).items():
+        assert np.ndim(m) == 1, path

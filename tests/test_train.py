@@ -308,6 +308,8 @@ def test_every_config_file_loads(path):
     spec.loader.exec_module(module)
     if path.stem == "tiny":
         args = [f"{m}" for m in METHODS]
+    elif path.stem == "ffw":
+        args = ["data=bmnist", "data=mcmnist", "data=dwmw17", "data=synthetic"]
     elif path.stem.startswith("srnets"):
         args = ["data=synthetic", "data=dwmw17,loss=poe,sparsity=0.7", "data=mnli"]
     else:

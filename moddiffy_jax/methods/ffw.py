@@ -182,6 +182,13 @@ def default_ffw_config(kind: str = "text") -> ml_collections.ConfigDict:
         }
     )
     c.attributes = ()  # empty: the run's attributes (config.method.attributes)
+    # > 0: gate-train on a fixed random subset of this many examples (CPU runs
+    # of a BERT encoder; the subset is drawn once from config.seed).
+    c.max_gate_train_examples = 0
+    # Copy the core run's exported diffs (e.g. MoDDiffy attribute diffs) into
+    # this run's export/diffs, so `evaluate` shows them and the FFW pruning
+    # side by side on the same core.
+    c.with_core_diffs = not vision
     # Accuracy on examples whose bias label differs from the task label
     # (needs bias and task to share their classes: BMNIST, CelebA, ...).
     c.conflicting = vision
@@ -910,6 +917,7 @@ def run_ffw(config: ml_collections.ConfigDict, workdir: str | Path) -> dict:
     )
     core_meta = dict(core_meta)
     core_meta.setdefault("fingerprint", diffs_lib.fingerprint(core))
+    ctx = _limit_gate_train(ctx, config)
     surgeon = _Surgeon(config, ctx, core, head)
     cfg = surgeon.cfg
 
@@ -966,9 +974,49 @@ def run_ffw(config: ml_collections.ConfigDict, workdir: str | Path) -> dict:
         ckpt.close()
         writer.close()
     results = _finish(surgeon, saved, meta, workdir, fp, core_meta, config)
+    if cfg.with_core_diffs:
+        results["core_diffs"] = _copy_core_diffs(config.method.core_run, workdir, fp)
     results["wall_time_s"] = time.time() - wall_start
     checkpoints.write_json_atomic(workdir / "results.json", results)
     return results
+
+
+def _subset_split(split: Any, indices: np.ndarray) -> Any:
+    """The rows ``indices`` of a TokenizedSplit or ImageSplit (arrays and dicts)."""
+    changes = {}
+    for field in dataclasses.fields(split):
+        value = getattr(split, field.name)
+        if isinstance(value, np.ndarray):
+            changes[field.name] = value[indices]
+        elif isinstance(value, dict):
+            changes[field.name] = {k: v[indices] for k, v in value.items()}
+    return dataclasses.replace(split, **changes)
+
+
+def _limit_gate_train(ctx: Any, config: ml_collections.ConfigDict) -> Any:
+    """``ctx`` with the gate-train split cut to ``ffw.max_gate_train_examples``."""
+    limit = int(config.ffw.max_gate_train_examples)
+    name = config.ffw.splits.gate_train
+    split = ctx.data.splits[name] if name in ctx.data.splits else None
+    if limit <= 0 or split is None or len(split) <= limit:
+        return ctx
+    order = np.random.default_rng(config.seed).permutation(len(split))[:limit]
+    splits = {**ctx.data.splits, name: _subset_split(split, np.sort(order))}
+    return dataclasses.replace(ctx, data=dataclasses.replace(ctx.data, splits=splits))
+
+
+def _copy_core_diffs(core_run: str, workdir: Path, fp: str) -> list[str]:
+    """Copies the core run's exported diffs made on the same core (same fingerprint)."""
+    copied = []
+    for path in sorted((Path(core_run) / "export" / "diffs").glob("*.safetensors")):
+        sd = diffs_lib.load_sparse_diff(str(path))
+        if sd.base_fingerprint != fp or sd.name == "ffw":
+            continue
+        diffs_lib.save_sparse_diff(
+            workdir / "export" / "diffs" / path.name, sd, overwrite=True
+        )
+        copied.append(sd.name)
+    return copied
 
 
 def _gate_loop(
