@@ -284,3 +284,17 @@ def test_conf_reg_distils_a_teacher_run(finetune_run, tmp_path):
     assert "core" in results["composition"]
     with pytest.raises(ValueError, match="teacher_run"):
         train.build_context(tiny("finetune", "loss=conf_reg"))
+
+
+def test_mask_run_evaluated_with_the_evaluate_command(mask_run):
+    from moddiffy_jax.eval import composition, probes
+
+    workdir, _ = mask_run
+    fast = probes.ProbeConfig(seeds=(0,), members=1, max_epochs=2)
+    results = composition.evaluate_run(
+        workdir, probe_config=fast, inlp=False, linear=False
+    )
+    assert list(results["composition"]) == ["core", "core+mask"]
+    for row in results["composition"].values():
+        assert set(row["leakage"]) == {"gender", "age"}
+    assert "core+mask" in composition.format_report(results)

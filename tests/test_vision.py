@@ -593,3 +593,31 @@ def test_reference_sizes_and_errors():
         vmodels.build_vision_model(
             cfg, num_task_classes=10, image_shape=(8, 8, 3), rng=jax.random.key(0)
         )
+
+
+@pytest.mark.parametrize("data,arch", [("bmnist", "resnet18"), ("mcmnist", "mlp")])
+def test_vanilla_training_through_the_shared_loop(data, arch, tmp_path):
+    from moddiffy_jax import checkpoints, train
+    from moddiffy_jax.config_lib import experiment_config
+
+    config = experiment_config("finetune", f"data={data},model=tiny")
+    with config.unlocked():
+        config.model.vision.arch = arch
+        config.train.num_steps = 2
+        if arch == "resnet18":
+            config.model.vision.widths = (4, 8, 8, 8)
+            config.model.vision.stage_sizes = (1, 1, 1, 1)
+            config.model.vision.small_stem = True
+    results = train.train_and_evaluate(config, tmp_path)
+    assert 0.0 <= results["composition"]["core"]["test_task_acc"] <= 1.0
+    core, _ = checkpoints.load_params(tmp_path / "export" / "core.safetensors")
+    before = train.build_context(config).pretrained
+    changed = [
+        not np.array_equal(a, b)
+        for a, b in zip(
+            jax.tree.leaves(core["params"]),
+            jax.tree.leaves(before["params"]),
+            strict=True,
+        )
+    ]
+    assert any(changed)
