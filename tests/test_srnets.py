@@ -298,3 +298,37 @@ def test_mask_run_evaluated_with_the_evaluate_command(mask_run):
     for row in results["composition"].values():
         assert set(row["leakage"]) == {"gender", "age"}
     assert "core+mask" in composition.format_report(results)
+
+
+def test_mnli_mask_training_with_word_overlap_poe_and_hans(tmp_path):
+    """MNLI/HANS from the user's files (tiny ones in the real formats)."""
+    from tests.test_bias_ood import _hans_file, _mnli_file
+
+    pairs = [
+        ("the cat sat on the mat .", "the cat sat .", "entailment"),
+        ("a man plays a guitar .", "a woman sings .", "neutral"),
+        ("the dog runs fast .", "the dog sleeps .", "contradiction"),
+        ("kids play in the park .", "kids play .", "entailment"),
+    ] * 6
+    data_dir = tmp_path / "MNLI"
+    data_dir.mkdir()
+    _mnli_file(data_dir / "train.tsv", pairs)
+    _mnli_file(data_dir / "dev_matched.tsv", pairs[:8])
+    hans = _hans_file(tmp_path / "heuristics_evaluation_set.txt")
+    config = tiny(
+        "srnets_mask",
+        "data=mnli,loss=poe",
+        **{**MASK, "data.path": str(data_dir), "eval.ood.hans.path": hans},
+    )
+    results = train.train_and_evaluate(config, tmp_path / "run")
+    assert results["bias_model"]["features"] == [
+        "h-is-subseq",
+        "all-in-p",
+        "percent-in-p",
+        "log-len-diff",
+    ]
+    for label in ("core", "core+mask"):
+        hans_metrics = results["ood"][label]["hans"]
+        assert hans_metrics["num_examples"] == 6
+        assert 0.0 <= hans_metrics["accuracy"] <= 1.0
+    assert set(results["composition"]["core"]) >= {"dev_task_acc"}
