@@ -995,6 +995,10 @@ def _finish(ctx, evaluator, workdir: Path, trainable, frozen, phase) -> dict:
     if ctx.method.encoder in ("mask", "imp", "retrain"):
         keep = jax.device_get(_subnetwork_keep(ctx, trainable, frozen))
         extra["sparsity"] = srnets.sparsity_report(keep["core"])
+        if ctx.method.encoder == "mask":
+            extra["mask_changed_vs_init"] = srnets.mask_change(
+                ctx.config, frozen["base"], frozen["task_head"], keep
+            )
         if "task_head" in keep:
             extra["classifier_sparsity"] = srnets.sparsity_report(keep["task_head"])
         if ctx.method.encoder != "mask" and chief:

@@ -91,6 +91,8 @@ def test_mask_training_moves_the_mask_but_not_the_weights(mask_run):
         keep[np.asarray(sd.indices[path])] = False
         changed += int(np.sum(keep != np.asarray(keep0).reshape(-1)))
     assert changed > 0  # the scores were trained and the resets re-ranked them
+    n = sum(int(np.size(m)) for m in init_keep.values())
+    assert mask_run[1]["mask_changed_vs_init"] == pytest.approx(changed / n)
 
 
 def test_mask_resume_equals_uninterrupted(mask_run, tmp_path):

@@ -336,3 +336,17 @@ def sparsity_report(keep: PyTree) -> dict[str, Any]:
         "per_matrix": {p: float(v) for p, v in per_leaf.items()},
         "num_masked": int(sum(np.size(m) for m in jax.tree.leaves(keep))),
     }
+
+
+def mask_change(
+    cfg: ml_collections.ConfigDict, encoder: PyTree, head: PyTree, keep: PyTree
+) -> float:
+    """Fraction of masked entries whose keep/prune decision differs from the
+    initial (magnitude) mask: how far mask training moved the subnetwork."""
+    init = init_mask_state(cfg, encoder, head)[0]
+    keep0 = current_masks(init)
+    flat0, flat = selection.flatten(keep0), selection.flatten(keep)
+    changed = sum(
+        int(np.sum(np.asarray(flat0[p]) != np.asarray(flat[p]))) for p in flat
+    )
+    return changed / max(sum(int(np.size(m)) for m in flat.values()), 1)
