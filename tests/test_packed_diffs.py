@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moddiffy_jax.subnets import diffs as dm
-from moddiffy_jax.subnets.selection import flatten
+from moddiffy_jax.subnets.selection import flatten, unflatten
 
 K0, B0, K1 = "encoder/layer_0/kernel", "encoder/layer_0/bias", "encoder/layer_1/kernel"
 
@@ -204,10 +204,10 @@ def test_mismatches_refused():
     with pytest.raises(ValueError, match="base fingerprint"):
         dm.pack_diffs([da, db.replace(base_fingerprint="other")])
     sub = dm.SparseDiff.from_dense(
-        {"encoder": {"layer_0": {"kernel": np.ones((4, 3), np.float32)}}},
+        {"encoder": {"layer_0": {"kernel": np.ones((3, 4), np.float32)}}},
         base_fingerprint=da.base_fingerprint,
     )
-    with pytest.raises(ValueError, match="leaf paths and shapes"):
+    with pytest.raises(ValueError, match="one shape per leaf"):
         dm.pack_diffs([da, sub])
     with pytest.raises(ValueError, match="dtype"):
         dm.pack_diffs([da, db.replace(dtype="float16")])
@@ -225,3 +225,21 @@ def test_mismatches_refused():
     )
     with pytest.raises(ValueError, match="shape"):
         dm.apply_packed(other, packed, [1.0, 1.0])
+
+
+def test_diffs_over_different_leaves_pack_together():
+    """A diff over every tensor and a pruning of one kernel (MoDDiffy + FFW)."""
+    base = make_base()
+    da, _ = global_pair(base)
+    flat = flatten(base)
+    path = next(p for p in flat if np.ndim(flat[p]) == 2)
+    keep = np.ones(np.shape(flat[path]), bool)
+    keep[0, :] = False
+    mask = dm.pruning_diff(base, unflatten({path: keep}), name="prune")
+    mask = mask.replace(base_fingerprint=da.base_fingerprint)
+    packed, names = dm.pack_diffs([da, mask])
+    assert names == (da.name, "prune")
+    out = dm.apply_packed(base, packed, jnp.asarray([1.0, 1.0]))
+    want = dm.apply_diffs(dm.apply_diffs(base, [da]), [mask])
+    for p, v in flatten(out).items():
+        np.testing.assert_allclose(v, flatten(want)[p], rtol=1e-6, atol=1e-6)

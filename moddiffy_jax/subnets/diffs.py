@@ -1163,9 +1163,10 @@ def pack_diffs(
     """Packs K sparse diffs of one selection into a :class:`PackedDiffs` (host-side).
 
     Args:
-      diffs: K >= 1 sparse diffs sharing leaf paths and shapes
-        (:attr:`SparseDiff.shapes`), dtype and base fingerprint, e.g. one per
-        protected attribute, pruned with any budgets and scopes.
+      diffs: K >= 1 sparse diffs sharing dtype and base fingerprint, e.g. one
+        per protected attribute, pruned with any budgets and scopes. Their
+        leaves may differ (the pack covers the union); a leaf in several
+        diffs must have one shape.
       nnz: capacity (slots per diff). Default: the largest ``diff.nnz()``.
         Pass a fixed capacity so that packs of diffs with different budgets
         (or a different largest diff) share one compiled function.
@@ -1187,7 +1188,6 @@ def pack_diffs(
     first = diffs[0]
     for k, d in enumerate(diffs[1:], start=1):
         for what, a, b in (
-            ("leaf paths and shapes", first.shapes, d.shapes),
             ("dtype", first.dtype, d.dtype),
             ("base fingerprint", first.base_fingerprint, d.base_fingerprint),
         ):
@@ -1196,7 +1196,22 @@ def pack_diffs(
                     f"pack_diffs needs diffs with the same {what}: diff 0 "
                     f"({first.name!r}) has {a!r}, diff {k} ({d.name!r}) has {b!r}."
                 )
-    sizes = [math.prod(s) for _, s in first.shapes]
+    # The union of the diffs' leaves (a MoDDiffy diff over every tensor and a
+    # pruning over the kernels only pack together); a leaf must have one shape.
+    union: dict[str, tuple[int, ...]] = {}
+    owner: dict[str, int] = {}
+    for k, d in enumerate(diffs):
+        for p, shape in d.shapes:
+            if p in union and union[p] != tuple(shape):
+                raise ValueError(
+                    f"pack_diffs needs one shape per leaf: {p!r} is {union[p]} in "
+                    f"diff {owner[p]} ({diffs[owner[p]].name!r}) and {tuple(shape)} "
+                    f"in diff {k} ({d.name!r})."
+                )
+            union.setdefault(p, tuple(shape))
+            owner.setdefault(p, k)
+    shapes = tuple(union.items())
+    sizes = [math.prod(s) for _, s in shapes]
     total = sum(sizes)
     if total > _MAX_LEAF_SIZE - 1:
         raise ValueError(
@@ -1204,6 +1219,8 @@ def pack_diffs(
             f"(pad index {total} included) need fewer than {_MAX_LEAF_SIZE}."
         )
     offsets = np.cumsum([0, *sizes[:-1]])
+    offset_of = {p: int(o) for (p, _), o in zip(shapes, offsets, strict=True)}
+    size_of = dict(zip(union, sizes, strict=True))
     largest = max(d.nnz() for d in diffs)
     if nnz is None:
         nnz = largest
@@ -1220,7 +1237,8 @@ def pack_diffs(
     values = np.zeros((len(diffs), nnz), dtype)
     for k, d in enumerate(diffs):
         idx_parts, val_parts = [], []
-        for (p, _), size, off in zip(d.shapes, sizes, offsets, strict=True):
+        for p, _ in d.shapes:
+            size, off = size_of[p], offset_of[p]
             idx = _host(d.indices[p]).astype(np.int64)
             if idx.size and (idx.min() < 0 or idx.max() >= size):
                 raise ValueError(
@@ -1236,7 +1254,7 @@ def pack_diffs(
     packed = PackedDiffs(
         indices=jnp.asarray(indices),
         values=jnp.asarray(values),
-        paths_shapes=first.shapes,
+        paths_shapes=shapes,
         dtype=first.dtype,
         base_fingerprint=first.base_fingerprint,
     )
