@@ -157,7 +157,7 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
             f"config.method.task_loss={config.method.task_loss!r}; valid: "
             f"{list(common.TASK_LOSSES)}."
         )
-    if method.encoder in ("mask", "imp", "retrain"):
+    if method.encoder in common.SUBNETWORK_MODES:
         srnets.check_config(config)
     vision = is_vision(config)
     if vision:
@@ -307,7 +307,7 @@ def init_state(ctx: Context, rng: jax.Array) -> tuple[dict, dict]:
     cfg, method, model = ctx.config, ctx.method, ctx.model
     include, exclude = diff_rules(cfg)
     r_head, r_adv = jax.random.split(rng)
-    if method.encoder in ("mask", "imp", "retrain"):
+    if method.encoder in common.SUBNETWORK_MODES:
         return _init_srnets_state(ctx, r_head)
     trainable: dict[str, Any] = {}
     frozen: dict[str, Any] = {}
@@ -992,7 +992,7 @@ def _finish(ctx, evaluator, workdir: Path, trainable, frozen, phase) -> dict:
     rows = composition_table(ctx, evaluator, core, head, sparse, splits, params_by_row)
     ood = _ood_and_bias(ctx, evaluator, rows, params_by_row, splits)
     extra = {}
-    if ctx.method.encoder in ("mask", "imp", "retrain"):
+    if ctx.method.encoder in common.SUBNETWORK_MODES:
         keep = jax.device_get(_subnetwork_keep(ctx, trainable, frozen))
         extra["sparsity"] = srnets.sparsity_report(keep["core"])
         if ctx.method.encoder == "mask":

@@ -46,6 +46,8 @@ Key = tuple[str, ...]
 
 ENCODER_MODES = ("full", "adapter", "diff", "frozen", "mask", "imp", "retrain")
 TASK_LOSSES = ("ce", "poe", "reweighting", "conf_reg")
+#: Encoder modes whose model is a binary-masked subnetwork (SRNets).
+SUBNETWORK_MODES = ("mask", "imp", "retrain")
 DEBIAS_MODES = ("none", "joint", "modular")
 DEBIAS_OBJECTIVES = ("adversarial", "mmd")
 
@@ -387,7 +389,7 @@ def _task_forward(
     Returns ``(h, terms, rng_for_removal)`` with ``terms = {"task": loss}``.
     """
     r_diff, r_enc, r_head, r_adv = jax.random.split(rng, 4)
-    if method.encoder in ("mask", "imp", "retrain"):
+    if method.encoder in SUBNETWORK_MODES:
         params, head = subnetwork_params(method, trainable, frozen)
     else:
         params = encoder_params(

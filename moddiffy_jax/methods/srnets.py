@@ -235,18 +235,6 @@ def reset_thresholds(trainable: dict, sparsity: float | jax.Array) -> dict:
     return {**trainable, "thresholds": thresholds}
 
 
-def mask_params(
-    trainable: Mapping[str, Any], frozen: Mapping[str, Any]
-) -> tuple[PyTree, PyTree]:
-    """Effective ``(encoder, head)`` of mask training (straight-through masks)."""
-    tree = masks_lib.apply_masks(
-        masked_tree(frozen["base"], frozen["task_head"]),
-        trainable["scores"],
-        thresholds=trainable["thresholds"],
-    )
-    return tree["core"], tree["task_head"]
-
-
 def current_masks(trainable: Mapping[str, Any]) -> PyTree:
     """Bool keep-masks (``{"core": ..., "task_head": ...}`` subtree)."""
     return masks_lib.binary_masks(trainable["scores"], trainable["thresholds"])
@@ -276,11 +264,6 @@ def imp_prune_round(
     if cfg.srnets.rewind:
         core = masks_lib.rewind(core, keep, frozen["start"])
     return {**trainable, "core": core, "masks": keep}
-
-
-def imp_params(trainable: Mapping[str, Any]) -> PyTree:
-    """Effective encoder of IMP (pruned entries are zero, with zero gradient)."""
-    return masks_lib.apply_binary_masks(trainable["core"], trainable["masks"])
 
 
 def load_mask(
