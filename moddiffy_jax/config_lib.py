@@ -77,7 +77,16 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.method.attributes = ()  # empty: every attribute of the dataset.
     c.method.objective = "adversarial"  # or "mmd".
     c.method.adv_lambda = 1.0
+    # "grl": gradient reversal (the paper); "confusion": the adversaries fit
+    # detached representations and the encoder/diff pulls their prediction to
+    # the attribute distribution given the task label (objectives/adversarial).
+    c.method.adv_loss = "grl"
     c.method.mmd_weight = 1.0
+    # MMD kernel: "gaussian" (scale-invariant multi-bandwidth), "linear"
+    # (first-moment matching), or "both"; conditional: compare the attribute's
+    # groups within each task class (objectives/mmd.py).
+    c.method.mmd_kernel = "gaussian"
+    c.method.mmd_conditional = True
     c.method.freeze_task_head = False  # in modular debias steps.
     c.method.core_run = ""  # moddiffy_post: workdir of a finetune run.
     # The task term of every method: "ce", or a known-bias loss ("poe",
@@ -112,6 +121,14 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.diff.l0_weight = 1.25e-7
     c.diff.keep = 0.01  # fraction (float) or count (int) of kept entries.
     c.diff.scope = "global"
+    # "final": one magnitude cut to the budget at the end of the L0 phase
+    # (the paper); "gradual": cubic magnitude pruning from 1 to diff.keep
+    # every prune_every L0 steps between prune_start and prune_end (fractions
+    # of the L0 phase), so the diff adapts to each cut.
+    c.diff.prune_schedule = "final"
+    c.diff.prune_every = 10
+    c.diff.prune_start = 0.1
+    c.diff.prune_end = 0.7
 
     c.optim = ml_collections.ConfigDict()
     for role, lr, wd in (
@@ -120,6 +137,7 @@ def base_config(method: str) -> ml_collections.ConfigDict:
         ("diff", 2e-5, 0.0),
         ("log_alpha", 0.1, 0.0),
         ("heads", 1e-4, 0.01),
+        ("adversary", 1e-4, 0.01),
         # SRNets scores: AdamW with weight decay 0 (reference mask_trainer).
         ("scores", 5e-5, 0.0),
     ):
@@ -149,6 +167,11 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.eval.probe_seeds = (0, 1, 2)
     c.eval.probe_epochs = 40
     c.eval.inlp = True
+    # With train.eval_every: fresh linear probes (class-balanced, fit on the
+    # first probe_max_train train rows) measure dev leakage of the core and
+    # each diff during training, at phase ends and right after the cut.
+    c.eval.probe_during = False
+    c.eval.probe_max_train = 1000
     # Out-of-distribution sets evaluated after training (eval/ood.py), e.g.
     # HANS for MNLI: --config.eval.ood.hans.path=/path/heuristics_evaluation_set.txt
     c.eval.ood = ml_collections.ConfigDict(

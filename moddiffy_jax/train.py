@@ -32,6 +32,7 @@ from absl import logging
 from moddiffy_jax import checkpoints, parallel
 from moddiffy_jax.methods import common, srnets
 from moddiffy_jax.methods import registry as method_registry
+from moddiffy_jax.objectives import mmd as objectives_mmd
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import hard_concrete, selection
 from moddiffy_jax.subnets import masks as masks_lib
@@ -216,11 +217,24 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
                 f"config.method.objective={config.method.objective!r} is not one of "
                 f"{common.DEBIAS_OBJECTIVES}."
             )
+        for key, valid in (
+            ("adv_loss", common.ADV_LOSSES),
+            ("mmd_kernel", objectives_mmd.KERNELS),
+        ):
+            if config.method[key] not in valid:
+                raise ValueError(
+                    f"config.method.{key}={config.method[key]!r} is not one of {valid}."
+                )
         debias = common.DebiasSettings(
             objective=config.method.objective,
             adv_lambda=config.method.adv_lambda,
             mmd_weight=config.method.mmd_weight,
             attr_classes=attr_classes,
+            adv_loss=config.method.adv_loss,
+            attr_prior=_attr_priors(dataset, attributes),
+            mmd_kernel=config.method.mmd_kernel,
+            mmd_conditional=config.method.mmd_conditional,
+            num_task_classes=len(dataset.task_classes),
         )
     if config.method.task_loss == "conf_reg":
         dataset = _with_teacher_probs(config, dataset, model)
@@ -237,6 +251,18 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
         diff_settings=diff_settings,
         debias=debias,
     )
+
+
+def _attr_priors(dataset, attributes) -> dict[str, tuple]:
+    """Per attribute: P(attribute | task label) on train, [T][C] nested tuples."""
+    train = dataset.splits["train"]
+    out = {}
+    for a in attributes:
+        counts = np.ones((len(dataset.task_classes), len(dataset.attr_classes[a])))
+        np.add.at(counts, (np.asarray(train.task), np.asarray(train.attrs[a])), 1.0)
+        counts /= counts.sum(1, keepdims=True)
+        out[a] = tuple(tuple(float(x) for x in row) for row in counts)
+    return out
 
 
 def _with_teacher_probs(config, dataset, model):
@@ -759,6 +785,16 @@ def train_and_evaluate(
                         global_step,
                         {"phase": phase, "mask/target_sparsity": target},
                     )
+                if phase == "l0" and config.diff.prune_schedule == "gradual":
+                    keep = _gradual_keep(config, phase_step, n_steps)
+                    if keep is not None:
+                        state = state.replace(
+                            trainable=_close_diff_gates(
+                                ctx, jax.device_get(state.trainable), keep
+                            )
+                        )
+                        state = parallel.replicate(state, ctx.mesh)
+                        writer.write(global_step, {"phase": phase, "diff/keep": keep})
                 progress.update(1)
                 at_end = phase_step == n_steps
                 # A simulated preemption (stop_at_step) saves like a periodic save.
@@ -829,6 +865,16 @@ def train_and_evaluate(
                     )
                 else:
                     trainable, frozen, _ = to_fixmask(ctx, trainable, frozen)
+                    if config.train.eval_every:  # removal right after the cut
+                        _evaluate_during(
+                            ctx,
+                            evaluator,
+                            writer,
+                            trainable,
+                            frozen,
+                            "fixmask",
+                            global_step,
+                        )
                 phase_step = 0
         ckpt.wait()
     finally:
@@ -862,6 +908,41 @@ def train_and_evaluate(
     if jax.process_index() == 0:
         checkpoints.write_json_atomic(workdir / "results.json", results)
     return results
+
+
+def _gradual_keep(config, phase_step: int, n_steps: int) -> float | None:
+    """The kept fraction to prune to after L0 step ``phase_step``, or None.
+
+    Gradual pruning (Zhu & Gupta 2018) inside the L0 phase: every
+    ``diff.prune_every`` steps between ``prune_start`` and ``prune_end``
+    (fractions of the phase) the diffs are pruned by magnitude to a kept
+    fraction that falls cubically from 1 to ``diff.keep``, so the diff adapts
+    to each cut and the final exact cut removes nothing the removal relied on.
+    """
+    d = config.diff
+    if not isinstance(d.keep, float):
+        raise ValueError(
+            "diff.prune_schedule='gradual' needs diff.keep as a fraction (float)."
+        )
+    begin, end = d.prune_start * n_steps, d.prune_end * n_steps
+    if phase_step % d.prune_every or not begin < phase_step < end + d.prune_every:
+        return None
+    schedule = masks_lib.cubic_sparsity_schedule(
+        initial=0.0, final=1.0 - d.keep, begin_step=begin, end_step=end
+    )
+    return 1.0 - float(schedule(phase_step))
+
+
+def _close_diff_gates(ctx: Context, trainable: dict, keep: float) -> dict:
+    """Closes each diff's gates outside its top ``keep`` fraction (host side)."""
+    for key in diff_keys(ctx.method, ctx.attributes):
+        state = common.get_part(trainable, key)
+        values = diffs_lib.dense_diff_values(state, hc=ctx.diff_settings.hc)
+        mask = diffs_lib.magnitude_keep_mask(
+            jax.device_get(values), keep=keep, scope=ctx.config.diff.scope
+        )
+        trainable = common.set_part(trainable, key, diffs_lib.close_gates(state, mask))
+    return trainable
 
 
 def _reset_thresholds(state: common.TrainState, sparsity: jax.Array):
@@ -925,13 +1006,42 @@ def _evaluate_during(ctx, evaluator, writer, trainable, frozen, phase, step) -> 
     trainable, frozen = jax.device_get(trainable), jax.device_get(frozen)
     core, head = _core_and_head(ctx, trainable, frozen)
     sparse = sparse_diffs_of(ctx, trainable, frozen, phase)
-    rows = composition_table(ctx, evaluator, core, head, sparse, ("dev",))
+    params_by_row: dict[str, Any] = {}
+    rows = composition_table(
+        ctx, evaluator, core, head, sparse, ("dev",), params_by_row
+    )
     record = {"phase": phase}
     for label, row in rows.items():
         record[f"eval/{label}/dev_task_acc"] = row["dev_task_acc"]
     for name, sd in sparse.items():
         record[f"eval/diff/{name}/density"] = float(sd.density())
+    if ctx.config.eval.probe_during and ctx.attributes:
+        record.update(_fresh_probes(ctx, params_by_row))
     writer.write(step, record)
+
+
+def _fresh_probes(ctx, params_by_row) -> dict[str, float]:
+    """Dev leakage of fresh linear probes for the core and each single diff."""
+    from moddiffy_jax.eval import composition, removal
+
+    rep = composition.Representer(ctx, ctx.config.eval.batch_size)
+    out = {}
+    labels = {
+        a: {s: ctx.data.splits[s].attrs[a] for s in ("train", "dev")}
+        for a in ctx.attributes
+    }
+    for label, (params, _) in params_by_row.items():
+        if label != "core" and label.count("+") != 1:
+            continue
+        reps = {s: rep.represent(params, s) for s in ("train", "dev")}
+        for a in ctx.attributes:
+            out[f"probe/{label}/{a}/linear_dev_bacc"] = removal.fresh_linear_leakage(
+                reps,
+                labels[a],
+                num_classes=len(ctx.data.attr_classes[a]),
+                max_train=ctx.config.eval.probe_max_train,
+            )
+    return out
 
 
 def _ood_and_bias(ctx, evaluator, rows, params_by_row, splits) -> dict[str, Any]:

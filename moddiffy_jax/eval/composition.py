@@ -55,6 +55,29 @@ from moddiffy_jax.eval import probes as probes_lib
 from moddiffy_jax.subnets import diffs as diffs_lib
 
 SPLITS = ("train", "dev", "test")
+#: A task head predicting one class for at least this share of a split is
+#: reported as degenerate (a constant predictor).
+DEGENERATE_SHARE = 0.99
+
+
+def leakage_floors(ctx: Any, split: str = "test") -> dict[str, dict[str, float]]:
+    """Per attribute: the floor (what the gold task label alone gives) and chance."""
+    from moddiffy_jax.eval import removal
+
+    train, held = ctx.data.splits["train"], ctx.data.splits[split]
+    out = {}
+    for a in ctx.attributes:
+        n = len(ctx.data.attr_classes[a])
+        floor = removal.leakage_floor(
+            train.task,
+            train.attrs[a],
+            held.task,
+            held.attrs[a],
+            num_task_classes=len(ctx.data.task_classes),
+            num_attr_classes=n,
+        )
+        out[a] = {"floor": floor, "chance": 1.0 / n}
+    return out
 
 
 def load_run_config(workdir: str | Path) -> ml_collections.ConfigDict:
@@ -193,6 +216,12 @@ def _task_metrics(ctx, rep: Representer, head, reps, splits) -> dict[str, Any]:
             attr_num_classes={a: len(ctx.data.attr_classes[a]) for a in attrs},
             aligned=_aligned_mask(data),
         )
+        # A (near-)constant predictor can score a small TPR gap without
+        # doing anything: flag it instead of reporting it as fair.
+        share = np.bincount(pred, minlength=len(ctx.data.task_classes)) / max(
+            len(pred), 1
+        )
+        report["degenerate"] = bool(share.max() >= DEGENERATE_SHARE)
         out[split] = report
     return out
 
@@ -233,6 +262,7 @@ def _leakage(ctx, reps, probe_config, *, linear: bool) -> dict[str, Any]:
                 labels["test"],
                 num_classes=n,
                 tol=1e-4,
+                class_weighted=True,
             )
             entry["linear"] = lin.summary() | {"converged": bool(lin.converged)}
         out[attr] = entry
@@ -244,6 +274,7 @@ def _row(
 ) -> dict[str, Any]:
     task = _task_metrics(ctx, rep, head, reps, splits)
     row = {f"{s}_task_acc": task[s]["accuracy"] for s in splits}
+    row["degenerate"] = any(task[s].get("degenerate", False) for s in splits)
     for s in splits:
         if "bias_aligned/accuracy" in task[s]:
             row[f"{s}_bias_aligned_acc"] = task[s]["bias_aligned/accuracy"]
@@ -506,6 +537,7 @@ def evaluate_run(
             for n, o in ood_sets.items()
         },
         "composition": rows,
+        "floors": leakage_floors(ctx) if ctx.attributes else {},
         "wall_time_s": time.time() - start,
     }
     out_dir = workdir / "eval"
@@ -601,8 +633,11 @@ def format_report(results: Mapping[str, Any]) -> str:
     lines.append("|" + "---|" * len(header))
     for label, row in rows.items():
         test = row["task"].get("test", {})
+        shown = label + (
+            " (degenerate: constant predictor)" if row.get("degenerate") else ""
+        )
         cells = [
-            label,
+            shown,
             _fmt(row.get("dev_task_acc")),
             _fmt(row.get("test_task_acc")),
             _fmt(test.get("macro_f1")),
@@ -621,6 +656,14 @@ def format_report(results: Mapping[str, Any]) -> str:
             cells.append(_fmt(leak.get("linear", {}).get("test_balanced_accuracy")))
             cells.append(_fmt(test.get(f"{a}/rms_tpr_gap")))
         lines.append("| " + " | ".join(cells) + " |")
+    floors = results.get("floors") or {}
+    if floors and attrs:
+        for what in ("floor", "chance"):
+            cells = [f"*{what}*"] + [""] * (len(header) - 1 - 3 * len(attrs))
+            for a in attrs:
+                cells += [_fmt(floors[a][what]), _fmt(floors[a][what]), ""]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines += ["", _floor_note()] + _gap_closed_lines(rows, attrs, floors)
     lines += _ood_detail_tables(rows, ood_names)
     notes = sorted(
         {n for row in rows.values() for a in attrs for n in row["leakage"][a]["notes"]}
@@ -628,6 +671,46 @@ def format_report(results: Mapping[str, Any]) -> str:
     if notes:
         lines += ["", "Notes:"] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _floor_note() -> str:
+    return (
+        "*floor*: the balanced accuracy that the gold task label alone gives "
+        "(fit on train): a representation that keeps the task leaks at least "
+        "this much when the attribute correlates with the task. Removal is read "
+        "as the share of the gap between the core's leakage and the floor that "
+        "a configuration closes (1 = down to the floor, 0 = nothing removed)."
+    )
+
+
+def gap_closed(core: float, value: float, floor: float) -> float | None:
+    """Share of the core-to-floor leakage gap closed (None if there is no gap)."""
+    if core is None or value is None or not core - floor > 1e-9:
+        return None
+    return (core - value) / (core - floor)
+
+
+def _gap_closed_lines(rows, attrs, floors) -> list[str]:
+    if "core" not in rows:
+        return []
+
+    def linear(row, a):
+        return row["leakage"][a].get("linear", {}).get("test_balanced_accuracy")
+
+    head = " | ".join(f"{a} gap closed (probes) | {a} gap closed (lin)" for a in attrs)
+    lines = ["", f"| configuration | {head} |", "|---|" + "---|---|" * len(attrs)]
+    core = rows["core"]
+    for label, row in rows.items():
+        if label == "core":
+            continue
+        cells = [label]
+        for a in attrs:
+            f = floors[a]["floor"]
+            mean = row["leakage"][a]["mean"]
+            cells.append(_fmt(gap_closed(core["leakage"][a]["mean"], mean, f)))
+            cells.append(_fmt(gap_closed(linear(core, a), linear(row, a), f)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _ood_detail_tables(rows: Mapping[str, Any], ood_names: Sequence[str]) -> list:

@@ -50,6 +50,7 @@ TASK_LOSSES = ("ce", "poe", "reweighting", "conf_reg")
 SUBNETWORK_MODES = ("mask", "imp", "retrain")
 DEBIAS_MODES = ("none", "joint", "modular")
 DEBIAS_OBJECTIVES = ("adversarial", "mmd")
+ADV_LOSSES = ("grl", "confusion")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,10 +155,11 @@ ROLE_RULES: tuple[tuple[str, str], ...] = (
     (r"adapters/.*", "adapter"),
     (r"(task_diff|diffs/[^/]+)/(log_alpha|group_log_alpha)(/.*)?", "log_alpha"),
     (r"(task_diff|diffs/[^/]+)/.*", "diff"),
-    (r"(task_head|adversaries/[^/]+)/.*", "heads"),
+    (r"task_head/.*", "heads"),
+    (r"adversaries/[^/]+/.*", "adversary"),
     (r"scores/.*", "scores"),
 )
-ROLES = ("encoder", "adapter", "log_alpha", "diff", "heads", "scores")
+ROLES = ("encoder", "adapter", "log_alpha", "diff", "heads", "adversary", "scores")
 
 
 def role_labels(parts: PyTree) -> PyTree:
@@ -297,6 +299,16 @@ class DebiasSettings:
     adv_lambda: float
     mmd_weight: float
     attr_classes: Mapping[str, int]
+    # MMD: kernel ("gaussian", "linear", "both") and whether the attribute
+    # groups are compared within each task class (then ``num_task_classes``).
+    mmd_kernel: str = "gaussian"
+    mmd_conditional: bool = True
+    num_task_classes: int = 0
+    # Adversarial: "grl" (gradient reversal, the paper) or "confusion" (the
+    # encoder matches the adversaries' prediction to ``attr_prior[a][task]``,
+    # the attribute distribution given the task label, [T][C] nested tuples).
+    adv_loss: str = "grl"
+    attr_prior: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def debias_term(
@@ -309,16 +321,48 @@ def debias_term(
     settings: DebiasSettings,
     rng: jax.Array,
     train: bool,
-) -> tuple[str, jax.Array]:
-    """The named removal term for one attribute on representations ``h``."""
+    task: jax.Array | None = None,
+) -> dict[str, jax.Array]:
+    """The named removal terms for one attribute on representations ``h``.
+
+    ``task`` [B] (the gold task labels) is used by the task-conditional MMD.
+    """
     if settings.objective == "adversarial":
-        reversed_h = objectives.gradient_reversal(h, settings.adv_lambda)
-        logits = model.adversary_logits(
-            attribute, trainable["adversaries"][attribute], reversed_h, rng, train
+        params = trainable["adversaries"][attribute]
+        if settings.adv_loss == "grl":
+            reversed_h = objectives.gradient_reversal(h, settings.adv_lambda)
+            logits = model.adversary_logits(attribute, params, reversed_h, rng, train)
+            return {f"adv/{attribute}": objectives.adversarial_loss(logits, labels)}
+        # Confusion: the adversaries fit the attribute on detached
+        # representations; the encoder (or diff) moves the frozen adversaries'
+        # prediction towards what the task label alone implies.
+        r_fit, r_enc = jax.random.split(rng)
+        fit = model.adversary_logits(
+            attribute, params, jax.lax.stop_gradient(h), r_fit, train
         )
-        return f"adv/{attribute}", objectives.adversarial_loss(logits, labels)
-    value = objectives.mmd_loss(h, labels, num_classes=settings.attr_classes[attribute])
-    return f"mmd/{attribute}", settings.mmd_weight * value
+        enc = model.adversary_logits(
+            attribute, jax.lax.stop_gradient(params), h, r_enc, train
+        )
+        if task is None or attribute not in settings.attr_prior:
+            n = settings.attr_classes[attribute]
+            target = jnp.full((h.shape[0], n), 1.0 / n, jnp.float32)
+        else:
+            target = jnp.asarray(settings.attr_prior[attribute], jnp.float32)[task]
+        return {
+            f"adv/{attribute}": objectives.adversarial_loss(fit, labels),
+            f"confusion/{attribute}": settings.adv_lambda
+            * objectives.confusion_loss(enc, target),
+        }
+    conditional = settings.mmd_conditional and task is not None
+    value = objectives.mmd_loss(
+        h,
+        labels,
+        num_classes=settings.attr_classes[attribute],
+        task=task if conditional else None,
+        num_task_classes=settings.num_task_classes,
+        kernel=settings.mmd_kernel,
+    )
+    return {f"mmd/{attribute}": settings.mmd_weight * value}
 
 
 def subnetwork_params(
@@ -443,7 +487,7 @@ def make_task_loss(
         )
         if method.debias == "joint":
             for i, attr in enumerate(attributes):
-                name, value = debias_term(
+                removal = debias_term(
                     model,
                     trainable,
                     h,
@@ -452,8 +496,9 @@ def make_task_loss(
                     settings=debias,
                     rng=jax.random.fold_in(r_adv, i),
                     train=True,
+                    task=batch["task"],
                 )
-                terms[name] = value
+                terms.update(removal)
         if method.encoder == "diff" and phase == "l0":
             penalty = diffs_lib.l0_penalty(trainable["task_diff"], hc=diff_settings.hc)
             terms["l0/task"] = diff_settings.l0_weight * penalty
@@ -491,7 +536,7 @@ def make_debias_loss(
             attribute=attribute,
             task_loss=task_loss,
         )
-        name, value = debias_term(
+        removal = debias_term(
             model,
             trainable,
             h,
@@ -500,8 +545,9 @@ def make_debias_loss(
             settings=debias,
             rng=r_adv,
             train=True,
+            task=batch["task"],
         )
-        terms[name] = value
+        terms.update(removal)
         if phase == "l0":
             penalty = diffs_lib.l0_penalty(
                 trainable["diffs"][attribute], hc=diff_settings.hc

@@ -1,6 +1,10 @@
 """Losses as pure functions with named outputs."""
 
-from moddiffy_jax.objectives.adversarial import adversarial_loss, gradient_reversal
+from moddiffy_jax.objectives.adversarial import (
+    adversarial_loss,
+    confusion_loss,
+    gradient_reversal,
+)
 from moddiffy_jax.objectives.classification import (
     accuracy,
     cross_entropy,
@@ -13,7 +17,7 @@ from moddiffy_jax.objectives.known_bias import (
     get_known_bias_loss,
     product_of_experts_loss,
 )
-from moddiffy_jax.objectives.mmd import mmd_loss, multi_kernel_matrix
+from moddiffy_jax.objectives.mmd import kernel_matrix, mmd_loss, unbiased_mmd2
 from moddiffy_jax.objectives.mutual_info import mutual_information
 
 __all__ = [
@@ -21,13 +25,15 @@ __all__ = [
     "accuracy",
     "adversarial_loss",
     "confidence_regularization_loss",
+    "confusion_loss",
     "cross_entropy",
     "example_reweighting_loss",
     "get_known_bias_loss",
     "gradient_reversal",
     "majority_vote",
+    "kernel_matrix",
     "mmd_loss",
-    "multi_kernel_matrix",
     "mutual_information",
     "product_of_experts_loss",
+    "unbiased_mmd2",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from moddiffy_jax.objectives.classification import cross_entropy
 
@@ -40,6 +41,27 @@ def adversarial_loss(
     return cross_entropy(ensemble_logits, labels, weights)
 
 
+def confusion_loss(ensemble_logits: jax.Array, target: jax.Array) -> jax.Array:
+    """KL(target || softmax(logits)), mean over members and examples.
+
+    The encoder side of adversarial removal without gradient reversal
+    (domain confusion, Tzeng et al. 2015): the representation is trained so
+    that the adversaries' prediction is ``target`` [B, C], e.g. the attribute
+    distribution the task label alone implies. Minimised at 0 by a
+    representation that tells the adversaries nothing more, where reversing
+    their gradient is "won" by flipping the attribute's signal (which a
+    fresh probe reads as well as the original).
+
+    Args:
+      ensemble_logits: [K, B, C] logits of the (frozen) adversaries.
+      target: [B, C] probabilities.
+    """
+    logp = jax.nn.log_softmax(ensemble_logits.astype(jnp.float32), -1)
+    t = target.astype(jnp.float32)
+    ent = jnp.sum(jnp.where(t > 0, t * jnp.log(jnp.where(t > 0, t, 1.0)), 0.0), -1)
+    return jnp.mean(ent[None] - jnp.sum(t[None] * logp, -1))
+
+
 def grl_scale(lambda_: float) -> float:
     """Validates the GRL strength (a plain, non-negative float)."""
     lambda_ = float(lambda_)
@@ -48,4 +70,4 @@ def grl_scale(lambda_: float) -> float:
     return lambda_
 
 
-__all__ = ["adversarial_loss", "gradient_reversal", "grl_scale"]
+__all__ = ["adversarial_loss", "confusion_loss", "gradient_reversal", "grl_scale"]

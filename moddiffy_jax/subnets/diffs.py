@@ -255,6 +255,51 @@ def dense_diff_values(state: DiffState, *, hc: HardConcrete = HardConcrete()) ->
     return jax.tree.map(lambda d, g: g.astype(d.dtype) * d, state.delta, z)
 
 
+#: Gate location of a closed entry: its deterministic gate and every sample
+#: are exactly 0 (the noise's log-odds are bounded by ``log((1 - eps) / eps)``),
+#: so the entry gets no gradient and stays closed.
+CLOSED_LOG_ALPHA = -50.0
+
+
+def close_gates(state: DiffState, keep: PyTree) -> DiffState:
+    """Closes every entry outside ``keep``: ``delta = 0`` and a shut gate.
+
+    Gradual pruning inside the L0 phase (a host-side transform between jitted
+    steps) uses this, so the later exact cut finds the budget already met.
+
+    Args:
+      state: an unstructured dense diff.
+      keep: bool subtree shaped like ``state.delta``; True keeps the entry.
+
+    Returns:
+      The new state (``state`` is not modified).
+    """
+    if state.structured:
+        raise ValueError("close_gates supports unstructured diffs only.")
+    delta = jax.tree.map(
+        lambda d, k: jnp.where(k, d, jnp.zeros_like(d)), state.delta, keep
+    )
+    log_alpha = jax.tree.map(
+        lambda la, k: jnp.where(k, la, jnp.asarray(CLOSED_LOG_ALPHA, la.dtype)),
+        state.log_alpha,
+        keep,
+    )
+    return state.replace(delta=delta, log_alpha=log_alpha)
+
+
+def magnitude_keep_mask(
+    values_subtree: PyTree, *, keep: int | float, scope: str = "global"
+) -> PyTree:
+    """Bool subtree marking the entries :func:`prune_to_sparsity` would keep."""
+    sd = prune_to_sparsity(values_subtree, keep=keep, scope=scope)
+    out = {}
+    for path, leaf in flatten(values_subtree).items():
+        mask = np.zeros(np.size(leaf), bool)
+        mask[np.asarray(sd.indices[path])] = True
+        out[path] = mask.reshape(np.shape(leaf))
+    return unflatten(out)
+
+
 # -----------------------------------------------------------------------------
 # Fingerprints.
 # -----------------------------------------------------------------------------

@@ -1,0 +1,194 @@
+r"""The same fresh probes on our runs and on the reference's saved CLS vectors.
+
+A side-by-side efficacy table needs one measuring stick. This script reads
+frozen CLS representations of every configuration (core, core + each diff,
+core + all diffs) and, per protected attribute, fits on train and scores on
+test:
+
+* ``lin``: a class-balanced logistic-regression probe (the library's
+  L-BFGS fit, :func:`moddiffy_jax.eval.probes.linear_probe`);
+* ``mlp``: the paper's attacker, an ensemble of 5 two-layer MLP probes with
+  early stopping on dev (:func:`moddiffy_jax.eval.probes.train_probe_ensemble`),
+  mean over probe seeds;
+
+next to the floor (what the gold task label alone gives,
+:func:`moddiffy_jax.eval.removal.leakage_floor`), chance, and the share of the
+core-to-floor gap each configuration closes.
+
+Inputs, one per column group:
+
+* ``--npz DIR``: a directory of ``<configuration>.npz`` files with arrays
+  ``{split}_h``, ``{split}_task``, ``{split}_<attr>`` and ``{split}_task_pred``
+  for split in train/dev/test (what ``benchmarks/reference/
+  run_reference_moddiffy_par.py`` writes for the official code);
+* ``--run DIR``: a finished run of this library (exports its configurations'
+  representations to ``DIR/eval/reps/`` in the same format first).
+
+Usage::
+
+    python benchmarks/fresh_probe.py --name ours --run runs/moddiffy_par \
+        --name reference --npz /work/ref/out/synthetic --out docs/results/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+
+SPLITS = ("train", "dev", "test")
+
+
+def export_run(run: Path) -> Path:
+    """Writes ``run/eval/reps/<configuration>.npz`` for a finished run."""
+    from moddiffy_jax import train
+    from moddiffy_jax.eval import composition
+
+    config = composition.load_run_config(run)
+    art = composition.load_artifacts(run)
+    ctx = train.build_context(config)
+    evaluator = train.Evaluator(ctx)
+    rep = composition.Representer(ctx, 128)
+    names = [a for a in ctx.attributes if a in art.diffs]
+    out = run / "eval" / "reps"
+    out.mkdir(parents=True, exist_ok=True)
+    subsets = [()] + [(n,) for n in names]
+    if len(names) > 1:
+        subsets.append(tuple(names))
+    for subset in subsets:
+        w = [1.0 if n in subset else 0.0 for n in names]
+        params = evaluator.compose(art.core, [art.diffs[n] for n in names], w)
+        arrays = {}
+        for s in SPLITS:
+            split = ctx.data.splits[s]
+            h = rep.represent(params, s)
+            arrays[f"{s}_h"] = h
+            arrays[f"{s}_task"] = np.asarray(split.task)
+            arrays[f"{s}_task_pred"] = rep.predict(art.head, h)
+            for a in ctx.attributes:
+                arrays[f"{s}_{a}"] = np.asarray(split.attrs[a])
+        label = "core" + "".join(f"+{n}" for n in subset)
+        np.savez(out / f"{label}.npz", **arrays)
+    return out
+
+
+def probe_dir(directory: Path, seeds: tuple[int, ...]) -> dict:
+    from moddiffy_jax.eval import probes, removal
+
+    files = sorted(directory.glob("core*.npz"), key=lambda p: (len(p.stem), p.stem))
+    if not files or files[0].stem != "core":
+        raise SystemExit(f"error: {directory} has no core.npz")
+    core = np.load(files[0])
+    attrs = sorted(
+        k[len("train_") :]
+        for k in core.files
+        if k.startswith("train_")
+        and k not in ("train_h", "train_task", "train_task_pred")
+    )
+    n_task = int(max(core["train_task"].max(), core["test_task"].max())) + 1
+    result = {"attributes": attrs, "rows": {}, "floors": {}}
+    for a in attrs:
+        n = int(max(core[f"train_{a}"].max(), core[f"test_{a}"].max())) + 1
+        result["floors"][a] = {
+            "floor": removal.leakage_floor(
+                core["train_task"],
+                core[f"train_{a}"],
+                core["test_task"],
+                core[f"test_{a}"],
+                num_task_classes=n_task,
+                num_attr_classes=n,
+            ),
+            "chance": 1.0 / n,
+        }
+    config = probes.ProbeConfig(seeds=seeds)
+    for f in files:
+        d = np.load(f)
+        row = {"test_acc": float(np.mean(d["test_task_pred"] == d["test_task"]))}
+        for a in attrs:
+            n = int(result["floors"][a]["chance"] ** -1 + 0.5)
+            args = [d[f"{s}_{x}"] for s in SPLITS for x in ("h", a)]
+            lin = probes.linear_probe(
+                *args, num_classes=n, tol=1e-4, class_weighted=True
+            )
+            mlp = probes.train_probe_ensemble(*args, num_classes=n, config=config)
+            summary = mlp.summary()
+            row[f"{a}/lin"] = float(lin.test_balanced_accuracy)
+            row[f"{a}/mlp"] = float(summary["test_balanced_accuracy/mean"])
+            row[f"{a}/mlp_std"] = float(summary["test_balanced_accuracy/std"])
+        result["rows"][f.stem] = row
+    core_row = result["rows"]["core"]
+    for row in result["rows"].values():
+        for a in attrs:
+            floor = result["floors"][a]["floor"]
+            for kind in ("lin", "mlp"):
+                gap = core_row[f"{a}/{kind}"] - floor
+                row[f"{a}/{kind}_gap_closed"] = (
+                    (core_row[f"{a}/{kind}"] - row[f"{a}/{kind}"]) / gap
+                    if gap > 1e-9
+                    else None
+                )
+    return result
+
+
+def markdown(results: dict) -> str:
+    lines = []
+    for name, res in results.items():
+        attrs = res["attributes"]
+        cols = ["test acc"] + list(
+            itertools.chain.from_iterable(
+                (f"{a} lin", f"{a} mlp", f"{a} gap closed lin / mlp") for a in attrs
+            )
+        )
+        lines += [f"### {name}", "", "| configuration | " + " | ".join(cols) + " |"]
+        lines.append("|---" * (len(cols) + 1) + "|")
+        for label, row in res["rows"].items():
+            cells = [f"{row['test_acc']:.3f}"]
+            for a in attrs:
+                g = [row[f"{a}/{k}_gap_closed"] for k in ("lin", "mlp")]
+                cells += [
+                    f"{row[f'{a}/lin']:.3f}",
+                    f"{row[f'{a}/mlp']:.3f} ± {row[f'{a}/mlp_std']:.3f}",
+                    " / ".join("n/a" if x is None else f"{x:.2f}" for x in g),
+                ]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        for what in ("floor", "chance"):
+            cells = [""]
+            for a in attrs:
+                v = res["floors"][a][what]
+                cells += [f"{v:.3f}", f"{v:.3f}", ""]
+            lines.append(f"| *{what}* | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--name", action="append", required=True)
+    parser.add_argument("--run", action="append", default=[])
+    parser.add_argument("--npz", action="append", default=[])
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--out", help="JSON file for the results")
+    args = parser.parse_args()
+    sources = [("run", Path(r)) for r in args.run] + [
+        ("npz", Path(d)) for d in args.npz
+    ]
+    if len(sources) != len(args.name):
+        raise SystemExit("error: give one --name per --run/--npz, in that order")
+    seeds = tuple(int(s) for s in args.seeds.split(","))
+    results = {}
+    for name, (kind, path) in zip(args.name, sources, strict=True):
+        directory = export_run(path) if kind == "run" else path
+        results[name] = probe_dir(directory, seeds)
+    text = markdown(results)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+        Path(args.out).with_suffix(".md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
