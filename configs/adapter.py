@@ -8,7 +8,7 @@ Run (from the repository root)::
 Arguments after ":" are comma-separated key=value pairs: data=synthetic|dwmw17
 (synthetic is generated in code; dwmw17 reads
 ../shared/data/dwmw17_dialect by path), model=minilm|tiny,
-objective=adversarial|mmd. Any field can be overridden with
+objective=mmd|adversarial (default mmd). Any field can be overridden with
 --config.<field>=<value>; the config is locked, so a misspelled field fails.
 """
 

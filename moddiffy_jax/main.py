@@ -38,7 +38,9 @@ def format_results(results: dict) -> str:
     cols = sorted({k for r in rows.values() for k in r})
     labels = list(rows) + [k for k in leakage if k not in rows]
     width = max(len(r) for r in labels) + 2
-    head = [c.rjust(14) for c in cols] + [f"{a} leakage".rjust(18) for a in attrs]
+    head = [c.rjust(14) for c in cols]
+    for a in attrs:
+        head += [f"{a} leakage".rjust(18), f"{a} lin".rjust(12)]
     lines.append("configuration".ljust(width) + "  ".join(head))
     for label in labels:
         cells = [
@@ -47,12 +49,23 @@ def format_results(results: dict) -> str:
         for a in attrs:
             leak = leakage.get(label, {}).get(a)
             cells.append(_leak(leak).rjust(18))
+            lin = (leak or {}).get("linear", {}).get("test_balanced_accuracy")
+            cells.append((f"{lin:.3f}" if lin is not None else "n/a").rjust(12))
         lines.append(label.ljust(width) + "  ".join(cells))
+    floors = results.get("floors", {})
+    for what in ("floor", "chance") if floors else ():
+        cells = ["".rjust(14)] * len(cols)
+        for a in attrs:
+            value = f"{floors[a][what]:.3f}" if a in floors else "n/a"
+            cells += [value.rjust(18), value.rjust(12)]
+        lines.append(f"({what})".ljust(width) + "  ".join(cells))
     if leakage:
         lines.append(
-            "leakage: test balanced accuracy of attacker probe ensembles on frozen CLS "
-            "representations (mean ± std over seeds; chance = 1/#classes, lower is "
-            "better); INLP rows use the task head on projected representations"
+            "leakage: test balanced accuracy of fresh attacker probe ensembles on "
+            "frozen CLS representations (mean ± std over probe seeds; lin: a "
+            "class-balanced linear probe; lower is better). floor: what the gold task "
+            "label alone gives; INLP rows use the task head on projected "
+            "representations"
         )
     for name, info in results.get("diffs", {}).items():
         lines.append(

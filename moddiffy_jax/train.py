@@ -220,6 +220,7 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
         for key, valid in (
             ("adv_loss", common.ADV_LOSSES),
             ("mmd_kernel", objectives_mmd.KERNELS),
+            ("mmd_conditional", common.MMD_CONDITIONS),
         ):
             if config.method[key] not in valid:
                 raise ValueError(
@@ -231,7 +232,8 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
             mmd_weight=config.method.mmd_weight,
             attr_classes=attr_classes,
             adv_loss=config.method.adv_loss,
-            attr_prior=_attr_priors(dataset, attributes),
+            attr_prior=_attr_tables(dataset, attributes, conditional=True),
+            attr_joint=_attr_tables(dataset, attributes, conditional=False),
             mmd_kernel=config.method.mmd_kernel,
             mmd_conditional=config.method.mmd_conditional,
             num_task_classes=len(dataset.task_classes),
@@ -253,14 +255,15 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
     )
 
 
-def _attr_priors(dataset, attributes) -> dict[str, tuple]:
-    """Per attribute: P(attribute | task label) on train, [T][C] nested tuples."""
+def _attr_tables(dataset, attributes, *, conditional: bool) -> dict[str, tuple]:
+    """Per attribute, on train (add-one smoothed), as [T][C] nested tuples:
+    P(attribute | task label) if ``conditional``, else P(task, attribute)."""
     train = dataset.splits["train"]
     out = {}
     for a in attributes:
         counts = np.ones((len(dataset.task_classes), len(dataset.attr_classes[a])))
         np.add.at(counts, (np.asarray(train.task), np.asarray(train.attrs[a])), 1.0)
-        counts /= counts.sum(1, keepdims=True)
+        counts /= counts.sum(1, keepdims=True) if conditional else counts.sum()
         out[a] = tuple(tuple(float(x) for x in row) for row in counts)
     return out
 
@@ -790,7 +793,10 @@ def train_and_evaluate(
                     if keep is not None:
                         state = state.replace(
                             trainable=_close_diff_gates(
-                                ctx, jax.device_get(state.trainable), keep
+                                ctx,
+                                jax.device_get(state.trainable),
+                                keep,
+                                jax.device_get(state.opt_states),
                             )
                         )
                         state = parallel.replicate(state, ctx.mesh)
@@ -903,6 +909,7 @@ def train_and_evaluate(
             label: {a: row["leakage"][a] for a in ctx.attributes}
             for label, row in evaluation["composition"].items()
         }
+        results["floors"] = evaluation.get("floors", {})
         results["eval_report"] = str(workdir / "eval" / "report.md")
     results["wall_time_s"] = time.time() - wall_start
     if jax.process_index() == 0:
@@ -933,11 +940,39 @@ def _gradual_keep(config, phase_step: int, n_steps: int) -> float | None:
     return 1.0 - float(schedule(phase_step))
 
 
-def _close_diff_gates(ctx: Context, trainable: dict, keep: float) -> dict:
-    """Closes each diff's gates outside its top ``keep`` fraction (host side)."""
+def _adam_second_moment(opt_state: Any, key: common.Key) -> Any:
+    """Adam's ``nu`` for the delta of the diff at ``key`` in a sub-step's state."""
+    stack = [opt_state]
+    while stack:
+        node = stack.pop()
+        inner = getattr(node, "inner_states", None)
+        if isinstance(inner, Mapping) and "diff" in inner:
+            adam = inner["diff"].inner_state[0]
+            return common.get_part(adam.nu, key).delta
+        if isinstance(node, tuple):
+            stack.extend(node)
+    raise ValueError("No Adam state for the 'diff' role in the optimizer state.")
+
+
+def _close_diff_gates(
+    ctx: Context, trainable: dict, keep: float, opt_states: Mapping[str, Any]
+) -> dict:
+    """Closes each diff's gates outside its top ``keep`` fraction (host side).
+
+    ``diff.prune_score``: ``magnitude`` ranks ``|z * delta|``; ``taylor`` ranks
+    ``|z * delta| * sqrt(nu)`` with ``nu`` Adam's running mean of the squared
+    gradient, a first-order estimate of how much the objective would change
+    if the entry were removed (Adam moves every entry with a consistent
+    gradient sign at about the learning rate, so magnitude alone says little
+    about importance).
+    """
     for key in diff_keys(ctx.method, ctx.attributes):
         state = common.get_part(trainable, key)
         values = diffs_lib.dense_diff_values(state, hc=ctx.diff_settings.hc)
+        if ctx.config.diff.prune_score == "taylor":
+            sub = "task" if key == ("task_diff",) else f"debias/{key[-1]}"
+            nu = _adam_second_moment(opt_states[sub], key)
+            values = jax.tree.map(lambda v, n: v * np.sqrt(n), values, nu)
         mask = diffs_lib.magnitude_keep_mask(
             jax.device_get(values), keep=keep, scope=ctx.config.diff.scope
         )

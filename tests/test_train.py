@@ -178,7 +178,9 @@ def _first_step(method, phase="l0"):
 
 def test_debias_steps_touch_only_their_diff():
     """Each sub-step changes only its own parts; the frozen tree is untouched."""
-    ctx, substeps, state, frozen, batch = _first_step("moddiffy_par")
+    ctx, substeps, state, frozen, batch = _first_step(
+        "moddiffy_par,objective=adversarial"
+    )
     frozen_before = jax.tree.map(np.array, frozen)
     gender_only = [s for s in substeps if s.name == "debias/gender"]
     step = jax.jit(common.make_train_step(gender_only))

@@ -51,6 +51,7 @@ SUBNETWORK_MODES = ("mask", "imp", "retrain")
 DEBIAS_MODES = ("none", "joint", "modular")
 DEBIAS_OBJECTIVES = ("adversarial", "mmd")
 ADV_LOSSES = ("grl", "confusion")
+MMD_CONDITIONS = ("stratify", "reweight", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,13 +303,15 @@ class DebiasSettings:
     # MMD: kernel ("gaussian", "linear", "both") and whether the attribute
     # groups are compared within each task class (then ``num_task_classes``).
     mmd_kernel: str = "gaussian"
-    mmd_conditional: bool = True
+    mmd_conditional: str = "stratify"  # or "reweight", "none"
     num_task_classes: int = 0
     # Adversarial: "grl" (gradient reversal, the paper) or "confusion" (the
     # encoder matches the adversaries' prediction to ``attr_prior[a][task]``,
     # the attribute distribution given the task label, [T][C] nested tuples).
     adv_loss: str = "grl"
     attr_prior: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Joint distribution of (task, attribute) on train, [T][C] nested tuples.
+    attr_joint: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def debias_term(
@@ -353,13 +356,15 @@ def debias_term(
             f"confusion/{attribute}": settings.adv_lambda
             * objectives.confusion_loss(enc, target),
         }
-    conditional = settings.mmd_conditional and task is not None
+    mode = settings.mmd_conditional if task is not None else "none"
+    joint = settings.attr_joint.get(attribute) if mode == "reweight" else None
     value = objectives.mmd_loss(
         h,
         labels,
         num_classes=settings.attr_classes[attribute],
-        task=task if conditional else None,
+        task=None if mode == "none" else task,
         num_task_classes=settings.num_task_classes,
+        joint=None if joint is None else jnp.asarray(joint, jnp.float32),
         kernel=settings.mmd_kernel,
     )
     return {f"mmd/{attribute}": settings.mmd_weight * value}

@@ -21,7 +21,9 @@ minimiser is *removal*, not collapse:
   the condition under which no linear probe beats a constant (LEACE, Belrose
   et al. 2023). ``both`` sums the two.
 * **Task-conditional** (``task`` given): the groups are compared within each
-  task class and the per-class values averaged (weighted by class size). A
+  task class and the per-class values averaged (weighted by class size), or,
+  with ``joint`` (the training data's task/attribute table), reweighted so
+  that each group has the marginal task distribution. A
   representation that keeps the task then keeps only the attribute
   information the task label implies (the "floor"), instead of fighting the
   task when the attribute correlates with it.
@@ -84,24 +86,27 @@ def kernel_matrix(
 def unbiased_mmd2(
     k: jax.Array, a: jax.Array, b: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Unbiased MMD^2 between two groups given by 0/1 masks over ``k``'s rows.
+    """Unbiased MMD^2 between two (weighted) groups over ``k``'s rows.
 
     Args:
       k: [B, B] kernel matrix.
-      a: [B] 0/1 membership of group A.
-      b: [B] 0/1 membership of group B (disjoint from A).
+      a: [B] non-negative weights of group A's members (0/1 for plain groups).
+      b: [B] weights of group B's members (disjoint from A).
 
     Returns:
-      ``(value, valid)``: the U-statistic, and whether both groups have at
-      least 2 members (``value`` is 0 where not).
+      ``(value, valid)``: the weighted U-statistic (pairs ``i != j`` only,
+      normalised by the pairs' total weight), and whether both groups have
+      at least 2 members (``value`` is 0 where not).
     """
     off = 1.0 - jnp.eye(k.shape[0], dtype=k.dtype)
-    n_a, n_b = jnp.sum(a), jnp.sum(b)
-    valid = (n_a >= 2) & (n_b >= 2)
-    kaa = (a @ (k * off) @ a) / jnp.maximum(n_a * (n_a - 1.0), 1.0)
-    kbb = (b @ (k * off) @ b) / jnp.maximum(n_b * (n_b - 1.0), 1.0)
-    kab = (a @ k @ b) / jnp.maximum(n_a * n_b, 1.0)
-    return jnp.where(valid, kaa + kbb - 2.0 * kab, 0.0), valid
+    valid = (jnp.sum(a > 0) >= 2) & (jnp.sum(b > 0) >= 2)
+
+    def within(w):
+        pairs = jnp.sum(w) ** 2 - jnp.sum(w * w)
+        return (w @ (k * off) @ w) / jnp.maximum(pairs, 1e-12)
+
+    kab = (a @ k @ b) / jnp.maximum(jnp.sum(a) * jnp.sum(b), 1e-12)
+    return jnp.where(valid, within(a) + within(b) - 2.0 * kab, 0.0), valid
 
 
 def mmd_loss(
@@ -111,6 +116,7 @@ def mmd_loss(
     num_classes: int,
     task: jax.Array | None = None,
     num_task_classes: int = 0,
+    joint: jax.Array | None = None,
     weights: jax.Array | None = None,
     kernel: str = "gaussian",
     exponents=DEFAULT_BANDWIDTH_EXPONENTS,
@@ -124,6 +130,12 @@ def mmd_loss(
       task: optional [B] int task labels; if given, the groups are compared
         within each task class (``num_task_classes`` of them, static).
       num_task_classes: number of task classes (needed with ``task``).
+      joint: optional [T, C] joint distribution of (task, attribute) on the
+        training data. With ``task`` and ``joint``, the groups are not split by
+        task class but *reweighted*: member ``i`` gets ``P(a_i) / P(a_i |
+        y_i)``, so every attribute group has the marginal task distribution,
+        and the whole batch enters one comparison (stratifying instead leaves
+        cells of 0-2 members when the attribute follows the task).
       weights: optional [B] example weights; 0 drops an example (padding).
       kernel: ``"gaussian"``, ``"linear"`` or ``"both"``.
       exponents: bandwidth exponents of the Gaussian kernels.
@@ -135,6 +147,18 @@ def mmd_loss(
     k = kernel_matrix(h, weights, kernel=kernel, exponents=exponents)
     w = jnp.ones(h.shape[0], jnp.float32) if weights is None else weights
     w = (w > 0).astype(jnp.float32)
+    if task is not None and joint is not None:
+        joint = jnp.asarray(joint, jnp.float32)
+        p_a = jnp.sum(joint, 0)
+        p_a_given_y = joint / jnp.maximum(jnp.sum(joint, 1, keepdims=True), 1e-12)
+        iw = w * p_a[labels] / jnp.maximum(p_a_given_y[task, labels], 1e-12)
+        splits = range(1) if num_classes == 2 else range(num_classes)
+        total, norm = 0.0, 0.0
+        for c in splits:
+            value, valid = unbiased_mmd2(k, iw * (labels == c), iw * (labels != c))
+            total = total + value
+            norm = norm + valid.astype(jnp.float32)
+        return total / jnp.maximum(norm, 1.0)
     if task is None:
         strata = [w]
     else:
