@@ -160,8 +160,8 @@ def test_post_without_core_run_is_refused(tmp_path):
         )
 
 
-def _first_step(method, phase="l0"):
-    config = tiny(method)
+def _first_step(method, phase="l0", arg=""):
+    config = tiny(method, arg)
     ctx = train.build_context(config)
     trainable, frozen = train.init_state(ctx, jax.random.PRNGKey(0))
     substeps = registry.build_substeps(ctx, phase, trainable)
@@ -179,7 +179,7 @@ def _first_step(method, phase="l0"):
 def test_debias_steps_touch_only_their_diff():
     """Each sub-step changes only its own parts; the frozen tree is untouched."""
     ctx, substeps, state, frozen, batch = _first_step(
-        "moddiffy_par,objective=adversarial"
+        "moddiffy_par", arg="objective=adversarial"
     )
     frozen_before = jax.tree.map(np.array, frozen)
     gender_only = [s for s in substeps if s.name == "debias/gender"]

@@ -1,0 +1,110 @@
+"""Regression test: a trained diff removes its attribute, as fresh probes see it.
+
+A tiny BERT core is fine-tuned on SYNTHETIC data, then the gender marker
+words are planted into it: their word embeddings are moved along one random
+direction, +1 for female markers and -1 for male ones, so the core's CLS
+vectors carry gender well beyond what the task label implies (the floor).
+MoDDiffy-post then trains one sparse gender diff on that frozen core with the
+library's default recipe (unbiased task-conditional MMD, gradual pruning to
+the budget, fixmask). A fresh class-balanced linear probe, fit on frozen
+train representations, must leak clearly less on held-out data with the diff
+than without it, with the task kept. A change that breaks removal (the
+objective, the gradual pruning, the cut, the fixmask phase) fails here.
+
+The adversarial objective is not asserted: under fresh probes it removes
+nothing on MiniLM either (docs/efficacy.md), so a test that it does would be
+false.
+"""
+
+import numpy as np
+
+from moddiffy_jax import checkpoints, train
+from moddiffy_jax.config_lib import experiment_config
+from moddiffy_jax.data import synthetic
+from moddiffy_jax.eval import composition, removal
+from moddiffy_jax.models import bert
+
+
+def _data(c):
+    c.data.attributes = ("gender",)
+    # Independent of the task (floor = chance): only the planted signal leaks.
+    c.data.synthetic.attr_task_correlation.gender = 0.0
+    c.data.synthetic.num_train = 512
+    c.data.synthetic.num_dev = 128
+    c.data.synthetic.num_test = 256
+    c.train.batch_size = 32
+    c.train.checkpoint_every = 1000
+    c.train.log_every = 50
+
+
+#: Shift of the marker embeddings, in units of the mean embedding norm.
+SCALE = 10.0
+
+
+def _plant_gender(core_dir):
+    """Moves the gender marker words' embeddings apart along one direction."""
+    path = core_dir / "export" / "core.safetensors"
+    core, meta = checkpoints.load_params(path)
+    tok = bert.load_tokenizer()
+    emb = np.array(core["embeddings"]["word_embeddings"]["embedding"])
+    u = np.random.default_rng(0).normal(size=emb.shape[1])
+    u *= SCALE * np.linalg.norm(emb, axis=1).mean() / np.linalg.norm(u)
+    for sign, cls in ((1.0, "female"), (-1.0, "male")):
+        for phrase in synthetic.ATTR_MARKERS["gender"][cls]:
+            for token_id in tok(phrase, add_special_tokens=False)["input_ids"]:
+                if tok.convert_ids_to_tokens(token_id) not in ("my", "her", "his"):
+                    emb[token_id] += sign * u
+    core["embeddings"]["word_embeddings"]["embedding"] = emb
+    checkpoints.save_params(path, core, metadata=meta, overwrite=True)
+
+
+def test_diff_removes_planted_attribute(tmp_path):
+    core_cfg = experiment_config("finetune", "model=tiny")
+    core_cfg.unlock()
+    _data(core_cfg)
+    core_cfg.train.num_steps = 48
+    core_cfg.optim.lr_encoder = 1e-3
+    core_cfg.lock()
+    train.train_and_evaluate(core_cfg, tmp_path / "core")
+    _plant_gender(tmp_path / "core")
+
+    config = experiment_config("moddiffy_post", "model=tiny")
+    config.unlock()
+    _data(config)
+    config.method.core_run = str(tmp_path / "core")
+    config.train.l0_steps = 80
+    config.train.fixmask_steps = 20
+    config.optim.lr_diff = 1e-3
+    config.lock()
+    train.train_and_evaluate(config, tmp_path / "post")
+
+    ctx = train.build_context(config)
+    art = composition.load_artifacts(tmp_path / "post")
+    evaluator = train.Evaluator(ctx)
+    rep = composition.Representer(ctx, 128)
+    splits = ctx.data.splits
+    labels = {s: splits[s].attrs["gender"] for s in ("train", "test")}
+    leak, acc = {}, {}
+    for label, params in (
+        ("core", art.core),
+        ("core+gender", evaluator.compose(art.core, [art.diffs["gender"]])),
+    ):
+        reps = {s: rep.represent(params, s) for s in ("train", "test")}
+        leak[label] = removal.fresh_linear_leakage(
+            reps, labels, num_classes=2, split="test"
+        )
+        acc[label] = np.mean(rep.predict(art.head, reps["test"]) == splits["test"].task)
+    floor = removal.leakage_floor(
+        splits["train"].task,
+        labels["train"],
+        splits["test"].task,
+        labels["test"],
+        num_task_classes=2,
+        num_attr_classes=2,
+    )
+    report = {"leak": leak, "acc": acc, "floor": floor}
+    assert leak["core"] - floor > 0.12, report  # planted: something to remove
+    assert composition.gap_closed(leak["core"], leak["core+gender"], floor) > 0.5, (
+        report
+    )
+    assert acc["core+gender"] > acc["core"] - 0.1, report
