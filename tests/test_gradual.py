@@ -1,0 +1,84 @@
+"""Gradual pruning of diffs inside the L0 phase."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moddiffy_jax import train
+from moddiffy_jax.config_lib import experiment_config
+from moddiffy_jax.methods import common
+from moddiffy_jax.subnets import diffs, hard_concrete
+
+
+def test_close_gates_shuts_entries_exactly():
+    params = {"w": jnp.ones((4, 5)), "b": jnp.ones(3)}
+    state = diffs.init_diff(params, r".*")
+    state = state.replace(delta=jax.tree.map(lambda d: d + 0.5, state.delta))
+    keep = {
+        "w": np.arange(20).reshape(4, 5) % 3 == 0,
+        "b": np.array([True, False, True]),
+    }
+    closed = diffs.close_gates(state, keep)
+    hc = hard_concrete.HardConcrete()
+    for rng in range(5):
+        z = diffs.diff_gates(closed, jax.random.PRNGKey(rng), hc=hc, train=True)
+        for p in ("w", "b"):
+            assert np.all(np.asarray(z[p])[~keep[p]] == 0.0)
+    values = diffs.dense_diff_values(closed, hc=hc)
+    for p in ("w", "b"):
+        assert np.all(np.asarray(values[p])[~keep[p]] == 0.0)
+        np.testing.assert_array_equal(
+            np.asarray(closed.delta[p])[keep[p]], np.asarray(state.delta[p])[keep[p]]
+        )
+    # No gradient reaches a closed gate, so it stays closed (delta still gets
+    # the straight-through gradient, but z * delta stays 0).
+    grad = jax.grad(
+        lambda s: sum(
+            jnp.sum(v)
+            for v in jax.tree.leaves(
+                diffs.apply_dense_diff(
+                    params, s, rng=jax.random.PRNGKey(0), hc=hc, train=True
+                )
+            )
+        )
+    )(closed)
+    assert np.all(np.asarray(grad.log_alpha["w"])[~keep["w"]] == 0.0)
+
+
+def test_magnitude_keep_mask_matches_prune_to_sparsity():
+    rng = np.random.default_rng(0)
+    values = {"a": rng.normal(size=(10, 10)), "b": rng.normal(size=7)}
+    mask = diffs.magnitude_keep_mask(values, keep=0.1)
+    assert sum(int(m.sum()) for m in mask.values()) == round(0.1 * 107)
+    kept = np.concatenate([np.abs(values[p])[mask[p]] for p in mask])
+    dropped = np.concatenate([np.abs(values[p])[~mask[p]] for p in mask])
+    assert kept.min() >= dropped.max()
+
+
+def test_gradual_schedule_reaches_the_budget():
+    c = experiment_config("moddiffy_par", "model=tiny")
+    n = 100
+    keeps = {t: train._gradual_keep(c, t, n) for t in range(1, n + 1)}
+    events = {t: k for t, k in keeps.items() if k is not None}
+    assert min(events) > c.diff.prune_start * n
+    assert all(t % c.diff.prune_every == 0 for t in events)
+    values = [events[t] for t in sorted(events)]
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
+    assert values[-1] == pytest.approx(c.diff.keep)
+    with c.unlocked():
+        c.diff.keep = 5.0
+    with pytest.raises(ValueError, match="fraction"):
+        train._gradual_keep(c, 20, n)
+
+
+def test_taylor_scores_read_adams_second_moment():
+    c = experiment_config("moddiffy_par", "model=tiny")
+    tx = common.make_optimizer(c.optim)
+    state = diffs.init_diff({"w": jnp.ones(3)}, r".*")
+    params = {"diffs": {"g": state}, "task_head": {"k": jnp.ones(2)}}
+    opt = tx.init(params)
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 2.0), params)
+    _, opt = tx.update(grads, opt, params)
+    nu = train._adam_second_moment(opt, ("diffs", "g"))
+    assert np.all(np.asarray(nu["w"]) > 0)
