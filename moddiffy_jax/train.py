@@ -205,6 +205,7 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
         temperature=config.diff.temperature,
         init_log_alpha=config.diff.init_log_alpha,
     )
+    _check_prune_config(config.diff)
     diff_settings = common.DiffSettings(
         hc=hc,
         straight_through=config.diff.straight_through,
@@ -217,25 +218,33 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
                 f"config.method.objective={config.method.objective!r} is not one of "
                 f"{common.DEBIAS_OBJECTIVES}."
             )
+        # Runs made before these fields existed (their config.json lacks
+        # them) are read with the behaviour they were trained with.
+        removal = {
+            key: config.method.get(key, old)
+            for key, old in (
+                ("adv_loss", "grl"),
+                ("mmd_kernel", "gaussian"),
+                ("mmd_conditional", "none"),
+            )
+        }
         for key, valid in (
             ("adv_loss", common.ADV_LOSSES),
             ("mmd_kernel", objectives_mmd.KERNELS),
             ("mmd_conditional", common.MMD_CONDITIONS),
         ):
-            if config.method[key] not in valid:
+            if removal[key] not in valid:
                 raise ValueError(
-                    f"config.method.{key}={config.method[key]!r} is not one of {valid}."
+                    f"config.method.{key}={removal[key]!r} is not one of {valid}."
                 )
         debias = common.DebiasSettings(
             objective=config.method.objective,
             adv_lambda=config.method.adv_lambda,
             mmd_weight=config.method.mmd_weight,
             attr_classes=attr_classes,
-            adv_loss=config.method.adv_loss,
             attr_prior=_attr_tables(dataset, attributes, conditional=True),
             attr_joint=_attr_tables(dataset, attributes, conditional=False),
-            mmd_kernel=config.method.mmd_kernel,
-            mmd_conditional=config.method.mmd_conditional,
+            **removal,
             num_task_classes=len(dataset.task_classes),
         )
     if config.method.task_loss == "conf_reg":
@@ -915,6 +924,31 @@ def train_and_evaluate(
     if jax.process_index() == 0:
         checkpoints.write_json_atomic(workdir / "results.json", results)
     return results
+
+
+PRUNE_SCHEDULES = ("gradual", "final")
+PRUNE_SCORES = ("magnitude", "taylor")
+
+
+def _check_prune_config(d: ml_collections.ConfigDict) -> None:
+    """Fails at start-up, not at the first pruning event, on a bad diff config.
+
+    Runs made before these fields existed (their config.json lacks them) used
+    the final cut with magnitude scores.
+    """
+    schedule = d.get("prune_schedule", "final")
+    score = d.get("prune_score", "magnitude")
+    for key, value, valid in (
+        ("prune_schedule", schedule, PRUNE_SCHEDULES),
+        ("prune_score", score, PRUNE_SCORES),
+    ):
+        if value not in valid:
+            raise ValueError(f"config.diff.{key}={value!r} is not one of {valid}.")
+    if schedule == "gradual" and d.structured:
+        raise ValueError(
+            "config.diff.prune_schedule='gradual' prunes entries, not whole "
+            "tensors: set config.diff.prune_schedule='final' with diff.structured."
+        )
 
 
 def _gradual_keep(config, phase_step: int, n_steps: int) -> float | None:

@@ -82,3 +82,42 @@ def test_taylor_scores_read_adams_second_moment():
     _, opt = tx.update(grads, opt, params)
     nu = train._adam_second_moment(opt, ("diffs", "g"))
     assert np.all(np.asarray(nu["w"]) > 0)
+
+
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("prune_schedule", "gradul", "prune_schedule"),
+        ("prune_score", "tylor", "prune_score"),
+        ("structured", True, "structured"),
+    ],
+)
+def test_bad_prune_config_fails_at_start(key, value, match):
+    c = experiment_config("moddiffy_par", "model=tiny")
+    with c.unlocked():
+        c.diff[key] = value
+    with pytest.raises(ValueError, match=match):
+        train.build_context(c)
+
+
+def test_runs_from_before_the_removal_fields_still_load():
+    """A config.json written before this session's fields builds a context
+    with the behaviour it was trained with (evaluate reads old runs)."""
+    import json
+
+    import ml_collections
+
+    c = experiment_config("moddiffy_par", "model=tiny")
+    d = json.loads(c.to_json())
+    for k in ("adv_loss", "mmd_kernel", "mmd_conditional"):
+        d["method"].pop(k)
+    for k in (
+        "prune_schedule",
+        "prune_score",
+        "prune_every",
+        "prune_start",
+        "prune_end",
+    ):
+        d["diff"].pop(k)
+    ctx = train.build_context(ml_collections.ConfigDict(d))
+    assert (ctx.debias.adv_loss, ctx.debias.mmd_conditional) == ("grl", "none")
