@@ -94,6 +94,12 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # marginal task distribution, "none" ignores the task (objectives/mmd.py).
     c.method.mmd_kernel = "gaussian"
     c.method.mmd_conditional = "stratify"
+    # Whitening: the kernels read the representations in the metric of a
+    # running within-group covariance (EMA with this decay; ridge of
+    # shrinkage * mean variance), the metric a fresh linear probe reads.
+    c.method.mmd_whiten = False
+    c.method.mmd_whiten_decay = 0.98
+    c.method.mmd_whiten_shrinkage = 0.1
     c.method.freeze_task_head = False  # in modular debias steps.
     c.method.core_run = ""  # moddiffy_post: workdir of a finetune run.
     # The task term of every method: "ce", or a known-bias loss ("poe",

@@ -226,8 +226,22 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
                 ("adv_loss", "grl"),
                 ("mmd_kernel", "gaussian"),
                 ("mmd_conditional", "none"),
+                ("mmd_whiten", False),
+                ("mmd_whiten_decay", 0.98),
+                ("mmd_whiten_shrinkage", 0.1),
             )
         }
+        if not 0.0 <= removal["mmd_whiten_decay"] < 1.0:
+            raise ValueError(
+                "config.method.mmd_whiten_decay must be in [0, 1), got "
+                f"{removal['mmd_whiten_decay']}."
+            )
+        if removal["mmd_whiten_shrinkage"] <= 0.0:
+            raise ValueError(
+                "config.method.mmd_whiten_shrinkage must be > 0 (the ridge that "
+                "keeps the running covariance invertible), got "
+                f"{removal['mmd_whiten_shrinkage']}."
+            )
         for key, valid in (
             ("adv_loss", common.ADV_LOSSES),
             ("mmd_kernel", objectives_mmd.KERNELS),
@@ -387,6 +401,11 @@ def init_state(ctx: Context, rng: jax.Array) -> tuple[dict, dict]:
             )
             for attr in ctx.attributes
         }
+    if ctx.debias is not None and ctx.debias.objective == "mmd":
+        if ctx.debias.mmd_whiten:
+            trainable[common.MMD_STATS] = common.init_mmd_stats(
+                model.feature_dim, ctx.attributes
+            )
     if ctx.debias is not None and ctx.debias.objective == "adversarial":
         trainable["adversaries"] = {
             attr: model.init_adversary(attr, jax.random.fold_in(r_adv, i))

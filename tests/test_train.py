@@ -160,8 +160,8 @@ def test_post_without_core_run_is_refused(tmp_path):
         )
 
 
-def _first_step(method, phase="l0", arg=""):
-    config = tiny(method, arg)
+def _first_step(method, phase="l0", arg="", **overrides):
+    config = tiny(method, arg, **overrides)
     ctx = train.build_context(config)
     trainable, frozen = train.init_state(ctx, jax.random.PRNGKey(0))
     substeps = registry.build_substeps(ctx, phase, trainable)
@@ -199,6 +199,28 @@ def test_debias_steps_touch_only_their_diff():
     assert not changed(before["diffs"]["age"], after["diffs"]["age"])
     assert not changed(before["adversaries"]["age"], after["adversaries"]["age"])
     assert not changed(frozen_before, frozen)
+
+
+def test_whitened_mmd_updates_only_its_attributes_statistics():
+    ctx, substeps, state, frozen, batch = _first_step(
+        "moddiffy_par", **{"method.mmd_whiten": True}
+    )
+    stats = state.trainable[common.MMD_STATS]
+    assert set(stats) == {"gender", "age"}
+    assert stats["gender"]["cov"].shape == (ctx.model.feature_dim,) * 2
+    gender_only = [s for s in substeps if s.name == "debias/gender"]
+    new, metrics = jax.jit(common.make_train_step(gender_only))(
+        state, frozen, batch, jax.random.PRNGKey(0)
+    )
+    assert np.isfinite(float(metrics["debias/gender/mmd/gender"]))
+    after = new.trainable[common.MMD_STATS]
+    decay = ctx.debias.mmd_whiten_decay
+    np.testing.assert_allclose(float(after["gender"]["weight"]), 1.0 - decay)
+    cov = np.asarray(after["gender"]["cov"]) / (1.0 - decay)
+    np.testing.assert_allclose(cov, cov.T, atol=1e-5)
+    assert np.all(np.linalg.eigvalsh(cov) > -1e-4) and np.trace(cov) > 0
+    assert float(after["age"]["weight"]) == 0.0
+    assert not np.any(np.asarray(after["age"]["cov"]))
 
 
 def test_post_core_and_head_bit_identical_after_step(finetune_run):

@@ -312,6 +312,11 @@ class DebiasSettings:
     attr_prior: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # Joint distribution of (task, attribute) on train, [T][C] nested tuples.
     attr_joint: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # MMD in the metric of a running within-group covariance (kept in
+    # ``trainable["mmd_stats"][attribute]``; objectives/mmd.py).
+    mmd_whiten: bool = False
+    mmd_whiten_decay: float = 0.98
+    mmd_whiten_shrinkage: float = 0.1
 
 
 def debias_term(
@@ -358,6 +363,19 @@ def debias_term(
         }
     mode = settings.mmd_conditional if task is not None else "none"
     joint = settings.attr_joint.get(attribute) if mode == "reweight" else None
+    out = {}
+    if settings.mmd_whiten:
+        stats = objectives.update_covariance(
+            trainable[MMD_STATS][attribute],
+            h,
+            labels,
+            num_classes=settings.attr_classes[attribute],
+            task=None if mode == "none" else task,
+            num_task_classes=settings.num_task_classes,
+            decay=settings.mmd_whiten_decay,
+        )
+        h = objectives.whiten(h, stats, shrinkage=settings.mmd_whiten_shrinkage)
+        out[STATE_KEY] = {(MMD_STATS, attribute): stats}
     value = objectives.mmd_loss(
         h,
         labels,
@@ -367,7 +385,33 @@ def debias_term(
         joint=None if joint is None else jnp.asarray(joint, jnp.float32),
         kernel=settings.mmd_kernel,
     )
-    return {f"mmd/{attribute}": settings.mmd_weight * value}
+    out[f"mmd/{attribute}"] = settings.mmd_weight * value
+    return out
+
+
+#: Where the whitened MMD keeps each attribute's running covariance in the
+#: trainable tree (not differentiated; updated through :data:`STATE_KEY`).
+MMD_STATS = "mmd_stats"
+
+
+def init_mmd_stats(feature_dim: int, attributes: Sequence[str]) -> dict[str, Any]:
+    """Zero running statistics for :func:`debias_term`'s whitened MMD."""
+    return {
+        a: {
+            "cov": jnp.zeros((feature_dim, feature_dim), jnp.float32),
+            "weight": jnp.zeros((), jnp.float32),
+        }
+        for a in attributes
+    }
+
+
+def _merge_terms(terms: dict[str, Any], new: Mapping[str, Any]) -> None:
+    """``terms.update(new)``, but state updates (:data:`STATE_KEY`) accumulate."""
+    for key, value in new.items():
+        if key == STATE_KEY:
+            terms.setdefault(STATE_KEY, {}).update(value)
+        else:
+            terms[key] = value
 
 
 def subnetwork_params(
@@ -503,7 +547,7 @@ def make_task_loss(
                     train=True,
                     task=batch["task"],
                 )
-                terms.update(removal)
+                _merge_terms(terms, removal)
         if method.encoder == "diff" and phase == "l0":
             penalty = diffs_lib.l0_penalty(trainable["task_diff"], hc=diff_settings.hc)
             terms["l0/task"] = diff_settings.l0_weight * penalty
@@ -552,7 +596,7 @@ def make_debias_loss(
             train=True,
             task=batch["task"],
         )
-        terms.update(removal)
+        _merge_terms(terms, removal)
         if phase == "l0":
             penalty = diffs_lib.l0_penalty(
                 trainable["diffs"][attribute], hc=diff_settings.hc

@@ -34,6 +34,11 @@ class TextModel:
     adversaries: Mapping[str, HeadEnsemble]
     adapter_rule: str = ADAPTER_RULE
 
+    @property
+    def feature_dim(self) -> int:
+        """``H``, the width of the representations."""
+        return self.bert_config.hidden_size
+
     def represent(
         self, params: Any, batch: Mapping[str, Any], rng: jax.Array | None, train: bool
     ) -> jax.Array:

@@ -17,7 +17,14 @@ from moddiffy_jax.objectives.known_bias import (
     get_known_bias_loss,
     product_of_experts_loss,
 )
-from moddiffy_jax.objectives.mmd import kernel_matrix, mmd_loss, unbiased_mmd2
+from moddiffy_jax.objectives.mmd import (
+    kernel_matrix,
+    mmd_loss,
+    unbiased_mmd2,
+    update_covariance,
+    whiten,
+    within_group_scatter,
+)
 from moddiffy_jax.objectives.mutual_info import mutual_information
 
 __all__ = [
@@ -36,4 +43,7 @@ __all__ = [
     "mutual_information",
     "product_of_experts_loss",
     "unbiased_mmd2",
+    "update_covariance",
+    "whiten",
+    "within_group_scatter",
 ]
