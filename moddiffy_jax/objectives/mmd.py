@@ -259,18 +259,26 @@ def whiten(
 ) -> jax.Array:
     """``h`` in the metric of the running covariance: ``h L^-T``, ``L L^T = S``.
 
-    ``S = C + shrinkage * (tr C / D) I`` with ``C`` the bias-corrected running
-    covariance, so squared distances become Mahalanobis distances and any
-    linear kernel on the result measures the Fisher separation of the
-    groups. The whitening matrix is not differentiated (the representation
-    cannot move it). Before any statistics exist (weight 0), ``h`` is
-    returned unchanged.
+    ``S = C + shrinkage * g * I`` with ``C`` the bias-corrected running
+    covariance and ``g`` the geometric mean of its eigenvalues (of
+    ``C + 1e-3 (tr C / D) I``, so a rank-deficient start stays finite), so
+    squared distances become Mahalanobis distances and any linear kernel on
+    the result measures the Fisher separation of the groups. The ridge uses
+    the geometric, not the arithmetic, mean: a representation that inflates
+    one direction would otherwise raise the ridge and hide every other
+    direction from the kernel. The whitening matrix is not differentiated
+    (the representation cannot move it). Before any statistics exist
+    (weight 0), ``h`` is returned unchanged.
     """
     h = h.astype(jnp.float32)
     d = h.shape[-1]
+    eye = jnp.eye(d, dtype=jnp.float32)
     weight = jax.lax.stop_gradient(stats["weight"])
     cov = jax.lax.stop_gradient(stats["cov"]) / jnp.maximum(weight, 1e-12)
-    ridge = shrinkage * jnp.trace(cov) / d + 1e-6
-    chol = jnp.linalg.cholesky(cov + ridge * jnp.eye(d, dtype=jnp.float32))
+    floor = 1e-3 * jnp.trace(cov) / d + 1e-9
+    log_diag = jnp.log(jnp.diagonal(jnp.linalg.cholesky(cov + floor * eye)))
+    geo_mean = jnp.exp(2.0 * jnp.mean(log_diag))
+    ridge = shrinkage * geo_mean + 1e-6
+    chol = jnp.linalg.cholesky(cov + ridge * eye)
     white = jax.scipy.linalg.solve_triangular(chol, h.T, lower=True).T
     return jnp.where(weight > 0.0, white, h)
