@@ -51,7 +51,7 @@ SUBNETWORK_MODES = ("mask", "imp", "retrain")
 DEBIAS_MODES = ("none", "joint", "modular")
 DEBIAS_OBJECTIVES = ("adversarial", "mmd")
 ADV_LOSSES = ("grl", "confusion")
-MMD_CONDITIONS = ("stratify", "reweight", "none")
+MMD_CONDITIONS = ("stratify", "reweight", "residual", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,7 +362,9 @@ def debias_term(
             * objectives.confusion_loss(enc, target),
         }
     mode = settings.mmd_conditional if task is not None else "none"
-    joint = settings.attr_joint.get(attribute) if mode == "reweight" else None
+    joint = (
+        settings.attr_joint.get(attribute) if mode in ("reweight", "residual") else None
+    )
     out = {}
     if settings.mmd_whiten:
         stats = objectives.update_covariance(
@@ -384,6 +386,7 @@ def debias_term(
         num_task_classes=settings.num_task_classes,
         joint=None if joint is None else jnp.asarray(joint, jnp.float32),
         kernel=settings.mmd_kernel,
+        center_task=mode == "residual",
     )
     out[f"mmd/{attribute}"] = settings.mmd_weight * value
     return out
