@@ -91,7 +91,9 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # (first-moment matching), or "both". Conditioning on the task label:
     # "stratify" compares the attribute's groups within each task class,
     # "reweight" weights members by P(a) / P(a | y) so each group has the
-    # marginal task distribution, "none" ignores the task (objectives/mmd.py).
+    # marginal task distribution, "residual" reweights after subtracting each
+    # task class's batch mean (no task distance left in the kernel), "none"
+    # ignores the task (objectives/mmd.py).
     c.method.mmd_kernel = "gaussian"
     c.method.mmd_conditional = "stratify"
     # Whitening: the kernels read the representations in the metric of a

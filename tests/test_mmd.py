@@ -219,7 +219,9 @@ def test_residual_conditioning_is_not_noisy_where_task_classes_sit_far_apart():
         h = rng.normal(size=(32, 8)) + 20.0 * task[:, None]
         return h, task, attr
 
-    hs, tasks, attrs = (np.stack(x) for x in zip(*(batch() for _ in range(200))))
+    hs, tasks, attrs = (
+        np.stack(x) for x in zip(*(batch() for _ in range(200)), strict=True)
+    )
     joint = jnp.asarray([[0.45, 0.05], [0.05, 0.45]], jnp.float32)
 
     def values(center):
