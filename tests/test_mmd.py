@@ -242,3 +242,34 @@ def test_residual_conditioning_is_not_noisy_where_task_classes_sit_far_apart():
     reweighted, residual = values(False), values(True)
     assert np.std(residual) < 0.3 * np.std(reweighted)
     assert abs(np.mean(residual)) < 4 * np.std(residual) / np.sqrt(200) + 1e-3
+
+
+def test_whitened_linear_kernel_cannot_be_diluted_by_one_inflated_direction():
+    """Inflating an irrelevant direction after the (lagging) statistics were
+    taken leaves the whitened linear MMD's expectation where it was; divided
+    by the batch's variance, the same inflation hides the shift."""
+    rng = np.random.default_rng(5)
+    labels = np.arange(64) % 2
+    stats = {"cov": jnp.eye(6), "weight": jnp.ones(())}
+    hs = rng.normal(size=(400, 64, 6))
+    hs[:, :, 0] += 1.0 * labels
+    inflated = hs.copy()
+    inflated[:, :, 5] *= 30.0
+
+    def mean_mmd(x, whitened):
+        f = jax.vmap(
+            lambda h: objectives.mmd_loss(
+                objectives.whiten(h, stats),
+                jnp.asarray(labels),
+                num_classes=2,
+                kernel="linear",
+                whitened=whitened,
+            )
+        )
+        v = np.asarray(f(jnp.asarray(x, jnp.float32)))
+        return v.mean(), v.std() / np.sqrt(len(v))
+
+    (base, se0), (infl, se1) = mean_mmd(hs, True), mean_mmd(inflated, True)
+    assert abs(infl - base) < 4 * np.hypot(se0, se1)
+    assert base > 10 * se0
+    assert mean_mmd(inflated, False)[0] < 0.2 * mean_mmd(hs, False)[0]

@@ -387,6 +387,7 @@ def debias_term(
         joint=None if joint is None else jnp.asarray(joint, jnp.float32),
         kernel=settings.mmd_kernel,
         center_task=mode == "residual",
+        whitened=settings.mmd_whiten,
     )
     out[f"mmd/{attribute}"] = settings.mmd_weight * value
     return out

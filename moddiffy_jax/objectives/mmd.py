@@ -61,6 +61,7 @@ def kernel_matrix(
     *,
     kernel: str = "gaussian",
     exponents=DEFAULT_BANDWIDTH_EXPONENTS,
+    whitened: bool = False,
 ) -> jax.Array:
     """Scale-invariant kernel matrix of the rows of ``h`` [B, D] -> [B, B].
 
@@ -70,6 +71,12 @@ def kernel_matrix(
         bandwidth or the variance.
       kernel: ``"gaussian"``, ``"linear"`` or ``"both"`` (see module docstring).
       exponents: bandwidth exponents of the Gaussian kernels.
+      whitened: ``h`` comes from :func:`whiten`, so its scale is fixed by the
+        running covariance; the linear kernel is then ``x . y / D``. Dividing
+        by the batch's total variance instead would let the representation
+        shrink the mean difference's weight by inflating one irrelevant
+        direction (measured on the tiny regression test: the diff then
+        raised the leakage).
     """
     if kernel not in KERNELS:
         raise ValueError(f"Unknown MMD kernel {kernel!r}; valid: {KERNELS}.")
@@ -88,7 +95,10 @@ def kernel_matrix(
     if kernel in ("linear", "both"):
         mean = jnp.sum(h * w[:, None], 0) / n
         centered = (h - mean) * w[:, None]
-        var = jnp.maximum(jnp.sum(centered * centered) / (n - 1.0), 1e-12)
+        if whitened:
+            var = jnp.asarray(h.shape[-1], jnp.float32)
+        else:
+            var = jnp.maximum(jnp.sum(centered * centered) / (n - 1.0), 1e-12)
         out = out + (centered @ centered.T) / var
     return out
 
@@ -131,6 +141,7 @@ def mmd_loss(
     kernel: str = "gaussian",
     exponents=DEFAULT_BANDWIDTH_EXPONENTS,
     center_task: bool = False,
+    whitened: bool = False,
 ) -> jax.Array:
     """Unbiased, optionally task-conditional, one-vs-rest MMD^2 of an attribute.
 
@@ -157,6 +168,7 @@ def mmd_loss(
         leaves the distance between the task classes in the kernel, where
         the sampling noise of a few heavily weighted members is largest, and
         shrinking that distance (losing the task) then lowers the estimate.
+      whitened: ``h`` comes from :func:`whiten` (see :func:`kernel_matrix`).
 
     Returns:
       A scalar: the mean over the valid (task class, one-vs-rest split) pairs,
@@ -170,7 +182,7 @@ def mmd_loss(
         onehot = jax.nn.one_hot(task, num_task_classes, dtype=jnp.float32) * w[:, None]
         means = (onehot.T @ h) / jnp.maximum(jnp.sum(onehot, 0), 1.0)[:, None]
         h = h - onehot @ means
-    k = kernel_matrix(h, weights, kernel=kernel, exponents=exponents)
+    k = kernel_matrix(h, weights, kernel=kernel, exponents=exponents, whitened=whitened)
     if task is not None and joint is not None:
         joint = jnp.asarray(joint, jnp.float32)
         p_a = jnp.sum(joint, 0)
