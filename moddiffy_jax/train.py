@@ -251,13 +251,22 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
                 raise ValueError(
                     f"config.method.{key}={removal[key]!r} is not one of {valid}."
                 )
+        joint = _attr_tables(dataset, attributes, conditional=False)
+        by_attr = {}
+        if removal["mmd_conditional"] == "auto":
+            by_attr = {
+                a: common.auto_conditioning(joint[a], config.train.batch_size)
+                for a in attributes
+            }
+            logging.info("mmd_conditional=auto resolved to %s", by_attr)
         debias = common.DebiasSettings(
             objective=config.method.objective,
             adv_lambda=config.method.adv_lambda,
             mmd_weight=config.method.mmd_weight,
             attr_classes=attr_classes,
             attr_prior=_attr_tables(dataset, attributes, conditional=True),
-            attr_joint=_attr_tables(dataset, attributes, conditional=False),
+            attr_joint=joint,
+            mmd_conditional_by_attr=by_attr,
             **removal,
             num_task_classes=len(dataset.task_classes),
         )

@@ -223,6 +223,22 @@ def test_whitened_mmd_updates_only_its_attributes_statistics():
     assert not np.any(np.asarray(after["age"]["cov"]))
 
 
+def test_auto_conditioning_follows_the_training_table():
+    # Gender follows the task with correlation 0.8 (smallest cell ~5% of the
+    # data: ~1.6 members in a batch of 32), age with 0.5 (~12.5%: ~4).
+    config = tiny(
+        "moddiffy_par",
+        **{"method.mmd_conditional": "auto", "train.batch_size": 32},
+    )
+    settings = train.build_context(config).debias
+    assert settings.mmd_conditional_by_attr == {
+        "gender": "reweight",
+        "age": "stratify",
+    }
+    assert common.auto_conditioning([[0.25, 0.25], [0.25, 0.25]], 8) == "reweight"
+    assert common.auto_conditioning([[0.25, 0.25], [0.25, 0.25]], 12) == "stratify"
+
+
 def test_post_core_and_head_bit_identical_after_step(finetune_run):
     ft_dir, _ = finetune_run
     config = tiny("moddiffy_post", **{"method.core_run": str(ft_dir)})

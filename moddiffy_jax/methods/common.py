@@ -51,7 +51,11 @@ SUBNETWORK_MODES = ("mask", "imp", "retrain")
 DEBIAS_MODES = ("none", "joint", "modular")
 DEBIAS_OBJECTIVES = ("adversarial", "mmd")
 ADV_LOSSES = ("grl", "confusion")
-MMD_CONDITIONS = ("stratify", "reweight", "residual", "none")
+MMD_CONDITIONS = ("stratify", "reweight", "residual", "auto", "none")
+#: ``mmd_conditional="auto"`` stratifies an attribute when the smallest
+#: (task class, attribute value) cell of the training data is expected to
+#: hold at least this many members per batch, and reweights it otherwise.
+AUTO_MIN_MEMBERS = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +319,9 @@ class DebiasSettings:
     # MMD in the metric of a running within-group covariance (kept in
     # ``trainable["mmd_stats"][attribute]``; objectives/mmd.py).
     mmd_whiten: bool = False
+    # Per-attribute conditioning that overrides ``mmd_conditional`` (what
+    # "auto" resolved to, see :func:`auto_conditioning`).
+    mmd_conditional_by_attr: Mapping[str, str] = dataclasses.field(default_factory=dict)
     mmd_whiten_decay: float = 0.98
     mmd_whiten_shrinkage: float = 0.1
 
@@ -361,7 +368,8 @@ def debias_term(
             f"confusion/{attribute}": settings.adv_lambda
             * objectives.confusion_loss(enc, target),
         }
-    mode = settings.mmd_conditional if task is not None else "none"
+    mode = settings.mmd_conditional_by_attr.get(attribute, settings.mmd_conditional)
+    mode = mode if task is not None else "none"
     joint = (
         settings.attr_joint.get(attribute) if mode in ("reweight", "residual") else None
     )
@@ -391,6 +399,19 @@ def debias_term(
     )
     out[f"mmd/{attribute}"] = settings.mmd_weight * value
     return out
+
+
+def auto_conditioning(joint: Any, batch_size: int) -> str:
+    """``"stratify"`` or ``"reweight"`` for one attribute's [T][C] joint table.
+
+    Stratifying compares the attribute's groups within each task class and
+    skips a class where a group has fewer than 2 members in the batch; when
+    the attribute follows the task closely, the minority cells are that
+    small in most batches, and reweighting (which uses every member) is the
+    estimator with data.
+    """
+    smallest = float(jnp.min(jnp.asarray(joint, jnp.float32)))
+    return "stratify" if batch_size * smallest >= AUTO_MIN_MEMBERS else "reweight"
 
 
 #: Where the whitened MMD keeps each attribute's running covariance in the
