@@ -410,7 +410,7 @@ def auto_conditioning(joint: Any, batch_size: int) -> str:
     small in most batches, and reweighting (which uses every member) is the
     estimator with data.
     """
-    smallest = float(jnp.min(jnp.asarray(joint, jnp.float32)))
+    smallest = min(min(row) for row in joint)
     return "stratify" if batch_size * smallest >= AUTO_MIN_MEMBERS else "reweight"
 
 

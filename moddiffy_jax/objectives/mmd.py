@@ -179,9 +179,7 @@ def mmd_loss(
     if center_task:
         if task is None or num_task_classes < 1:
             raise ValueError("center_task needs task labels and num_task_classes.")
-        onehot = jax.nn.one_hot(task, num_task_classes, dtype=jnp.float32) * w[:, None]
-        means = (onehot.T @ h) / jnp.maximum(jnp.sum(onehot, 0), 1.0)[:, None]
-        h = h - onehot @ means
+        h, _ = _centre_in_groups(h, task, num_task_classes, w)
     k = kernel_matrix(h, weights, kernel=kernel, exponents=exponents, whitened=whitened)
     if task is not None and joint is not None:
         joint = jnp.asarray(joint, jnp.float32)
@@ -235,18 +233,26 @@ def within_group_scatter(
       and its degrees of freedom (rows minus non-empty cells), so that
       ``scatter / dof`` is the pooled within-cell covariance.
     """
-    h = h.astype(jnp.float32)
     cell = labels.astype(jnp.int32)
     n_cells = num_classes
     if task is not None:
         cell = task.astype(jnp.int32) * num_classes + cell
         n_cells = num_classes * max(num_task_classes, 1)
-    onehot = jax.nn.one_hot(cell, n_cells, dtype=jnp.float32)  # [B, K]
-    counts = jnp.sum(onehot, 0)
-    means = (onehot.T @ h) / jnp.maximum(counts, 1.0)[:, None]
-    centred = h - onehot @ means
+    centred, counts = _centre_in_groups(h.astype(jnp.float32), cell, n_cells)
     dof = h.shape[0] - jnp.sum(counts > 0)
     return centred.T @ centred, dof.astype(jnp.float32)
+
+
+def _centre_in_groups(
+    h: jax.Array, groups: jax.Array, num_groups: int, weights: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """``h`` minus its group's mean (rows of weight 0 neither count nor move)."""
+    onehot = jax.nn.one_hot(groups, num_groups, dtype=jnp.float32)
+    if weights is not None:
+        onehot = onehot * weights[:, None]
+    counts = jnp.sum(onehot, 0)
+    means = (onehot.T @ h) / jnp.maximum(counts, 1.0)[:, None]
+    return h - onehot @ means, counts
 
 
 def update_covariance(
