@@ -141,7 +141,7 @@ def test_within_group_scatter_matches_numpy():
 def test_running_covariance_converges_and_skips_tiny_batches():
     rng = np.random.default_rng(1)
     true = np.diag([4.0, 1.0, 0.25])
-    stats = {"cov": jnp.zeros((3, 3)), "weight": jnp.zeros(())}
+    stats = objectives.init_covariance(3)
     update = jax.jit(
         lambda s, h, y: objectives.update_covariance(s, h, y, num_classes=2, decay=0.9)
     )
@@ -181,6 +181,36 @@ def test_whitening_gives_mahalanobis_distances_and_no_gradient_to_statistics():
     np.testing.assert_array_equal(objectives.whiten(h, empty), h)
 
 
+def test_young_statistics_keep_a_ridge_on_their_null_space():
+    """One batch of 12 rows in 64 dimensions has a rank-10 scatter. Kish's
+    count (10 rows after one step, about dof (1 + d) / (1 - d) at steady
+    state) takes the ridge from the 10 eigenvalues seen, so the null space
+    is scaled like a direction of a tenth of the typical variance; a ridge
+    from all 64 (54 of them 0) would scale it up a hundredfold more."""
+    rng = np.random.default_rng(6)
+    dim, decay = 64, 0.9
+    labels = jnp.asarray(np.arange(12) % 2)
+    h = jnp.asarray(rng.normal(size=(12, dim)), jnp.float32)
+    young = objectives.update_covariance(
+        objectives.init_covariance(dim), h, labels, num_classes=2, decay=decay
+    )
+    np.testing.assert_allclose(float(objectives.effective_rows(young)), 10.0, rtol=1e-5)
+    probe = jnp.asarray(rng.normal(size=(50, dim)), jnp.float32)
+    seen = np.sort(np.linalg.eigvalsh(np.asarray(young["cov"]) / float(young["weight"])))[-10:]
+    white = objectives.whiten(probe, young, shrinkage=0.1)
+    # At most 1 / (0.1 geometric mean of the seen eigenvalues) per unit.
+    bound = np.sum(np.asarray(probe) ** 2, -1) / (0.1 * np.exp(np.mean(np.log(seen))))
+    assert np.all(np.asarray(jnp.sum(white**2, -1)) <= bound * 1.001)
+    bare = {"cov": young["cov"], "weight": young["weight"]}
+    blown = objectives.whiten(probe, bare, shrinkage=0.1)
+    assert float(jnp.mean(jnp.sum(blown**2, -1))) > 20 * float(jnp.mean(jnp.sum(white**2, -1)))
+    for _ in range(300):
+        young = objectives.update_covariance(young, h, labels, num_classes=2, decay=decay)
+    np.testing.assert_allclose(
+        float(objectives.effective_rows(young)), 10.0 * (1 + decay) / (1 - decay), rtol=1e-3
+    )
+
+
 @pytest.mark.parametrize("kernel", ["linear", "gaussian"])
 def test_whitening_sees_a_difference_along_a_low_variance_direction(kernel):
     """Groups 0.6 apart along a direction of std 0.2, next to six directions
@@ -195,7 +225,7 @@ def test_whitening_sees_a_difference_along_a_low_variance_direction(kernel):
     h[:, -1] += 0.6 * labels
     h, labels = jnp.asarray(h, jnp.float32), jnp.asarray(labels)
     stats = objectives.update_covariance(
-        {"cov": jnp.zeros((dim, dim)), "weight": jnp.zeros(())},
+        objectives.init_covariance(dim),
         h,
         labels,
         num_classes=2,

@@ -421,13 +421,7 @@ MMD_STATS = "mmd_stats"
 
 def init_mmd_stats(feature_dim: int, attributes: Sequence[str]) -> dict[str, Any]:
     """Zero running statistics for :func:`debias_term`'s whitened MMD."""
-    return {
-        a: {
-            "cov": jnp.zeros((feature_dim, feature_dim), jnp.float32),
-            "weight": jnp.zeros((), jnp.float32),
-        }
-        for a in attributes
-    }
+    return {a: objectives.init_covariance(feature_dim) for a in attributes}
 
 
 def _merge_terms(terms: dict[str, Any], new: Mapping[str, Any]) -> None:

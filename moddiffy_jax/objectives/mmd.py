@@ -255,6 +255,20 @@ def _centre_in_groups(
     return h - onehot @ means, counts
 
 
+def init_covariance(dim: int) -> dict[str, jax.Array]:
+    """Empty running statistics for :func:`update_covariance` (all zeros).
+
+    Every leaf is its own buffer: the train step donates the trainable tree,
+    and one array in two leaves would be donated twice.
+    """
+    return {
+        "cov": jnp.zeros((dim, dim), jnp.float32),
+        "weight": jnp.zeros((), jnp.float32),
+        "weight_sq": jnp.zeros((), jnp.float32),
+        "rows": jnp.zeros((), jnp.float32),
+    }
+
+
 def update_covariance(
     stats: dict[str, jax.Array],
     h: jax.Array,
@@ -267,10 +281,13 @@ def update_covariance(
 ) -> dict[str, jax.Array]:
     """One step of a running (exponential moving average) within-cell covariance.
 
-    ``stats`` is ``{"cov": [D, D], "weight": []}``, all zeros at the start;
-    ``stats["cov"] / stats["weight"]`` is the bias-corrected estimate (as in
-    Adam). A batch with fewer than 2 degrees of freedom leaves it unchanged.
-    No gradient flows into the statistics.
+    ``stats`` is ``{"cov": [D, D], "weight": [], "weight_sq": [], "rows": []}``,
+    all zeros at the start; ``stats["cov"] / stats["weight"]`` is the
+    bias-corrected estimate (as in Adam). ``weight_sq`` (the sum of squared
+    EMA weights) and ``rows`` (the EMA of each batch's degrees of freedom)
+    give the estimate's effective sample size, which :func:`whiten` uses to
+    shrink a young estimate. A batch with fewer than 2 degrees of freedom
+    leaves the statistics unchanged. No gradient flows into them.
     """
     scatter, dof = within_group_scatter(
         jax.lax.stop_gradient(h),
@@ -281,36 +298,67 @@ def update_covariance(
     )
     ok = dof >= 2.0
     batch_cov = scatter / jnp.maximum(dof, 1.0)
-    cov = jnp.where(ok, decay * stats["cov"] + (1.0 - decay) * batch_cov, stats["cov"])
-    weight = jnp.where(ok, decay * stats["weight"] + (1.0 - decay), stats["weight"])
-    return {"cov": cov, "weight": weight}
+    def ema(key, value, power=1):
+        mixed = decay**power * stats[key] + (1.0 - decay) ** power * value
+        return jnp.where(ok, mixed, stats[key])
+
+    return {
+        "cov": ema("cov", batch_cov),
+        "weight": ema("weight", 1.0),
+        "weight_sq": ema("weight_sq", 1.0, power=2),
+        "rows": ema("rows", dof),
+    }
+
+
+def effective_rows(stats: dict[str, jax.Array]) -> jax.Array:
+    """Effective number of rows behind a running covariance (Kish's formula).
+
+    With EMA weights ``w_i`` on batches of ``dof_i`` rows this is
+    ``sum(w_i dof_i) * sum(w_i) / sum(w_i^2)``: the batch's rows after one
+    step, about ``dof (1 + decay) / (1 - decay)`` at steady state. Statistics
+    without the counters (written by hand) count as fully estimated.
+    """
+    if "rows" not in stats or "weight_sq" not in stats:
+        return jnp.asarray(jnp.inf, jnp.float32)
+    return stats["rows"] * stats["weight"] / jnp.maximum(stats["weight_sq"], 1e-30)
 
 
 def whiten(
     h: jax.Array, stats: dict[str, jax.Array], *, shrinkage: float = 0.1
 ) -> jax.Array:
-    """``h`` in the metric of the running covariance: ``h L^-T``, ``L L^T = S``.
+    """``h`` in the metric of the running covariance: ``(h V) (L + r)^-1/2``.
 
-    ``S = C + shrinkage * g * I`` with ``C`` the bias-corrected running
-    covariance and ``g`` the geometric mean of its eigenvalues (of
-    ``C + 1e-3 (tr C / D) I``, so a rank-deficient start stays finite), so
-    squared distances become Mahalanobis distances and any linear kernel on
-    the result measures the Fisher separation of the groups. The ridge uses
-    the geometric, not the arithmetic, mean: a representation that inflates
-    one direction would otherwise raise the ridge and hide every other
-    direction from the kernel. The whitening matrix is not differentiated
-    (the representation cannot move it). Before any statistics exist
-    (weight 0), ``h`` is returned unchanged.
+    ``V L V^T = C`` is the bias-corrected running covariance's
+    eigendecomposition, so squared distances become Mahalanobis distances
+    (in ``C + r I``) and any linear kernel on the result measures the Fisher
+    separation of the groups. The ridge is ``r = shrinkage * g``, ``g`` the
+    geometric mean of the ``k`` largest eigenvalues, ``k`` the estimate's
+    effective number of rows (:func:`effective_rows`, at most ``D``):
+
+    - the geometric, not the arithmetic, mean: a representation that
+      inflates one direction would otherwise raise the ridge and hide every
+      other direction from the kernel;
+    - of the ``k`` largest only: a young estimate from a few batches has
+      rank far below ``D``, and the mean over its null space is near 0, so
+      the ridge would vanish and whitening blow the null space up (the first
+      steps' loss is then noise thousands of times the signal, and a dense
+      diff that follows it loses the task). Statistics without the counters
+      (written by hand) use all ``D``.
+
+    The whitening matrix is not differentiated (the representation cannot
+    move it). Before any statistics exist (weight 0), ``h`` is returned
+    unchanged.
     """
     h = h.astype(jnp.float32)
     d = h.shape[-1]
-    eye = jnp.eye(d, dtype=jnp.float32)
     weight = jax.lax.stop_gradient(stats["weight"])
     cov = jax.lax.stop_gradient(stats["cov"]) / jnp.maximum(weight, 1e-12)
-    floor = 1e-3 * jnp.trace(cov) / d + 1e-9
-    log_diag = jnp.log(jnp.diagonal(jnp.linalg.cholesky(cov + floor * eye)))
-    geo_mean = jnp.exp(2.0 * jnp.mean(log_diag))
+    eigval, eigvec = jnp.linalg.eigh(cov)  # ascending
+    eigval = jnp.maximum(eigval, 0.0)
+    floor = 1e-3 * jnp.mean(eigval) + 1e-9
+    seen = jnp.clip(jax.lax.stop_gradient(effective_rows(stats)), 1.0, d)
+    top = (jnp.arange(d) >= d - seen).astype(jnp.float32)
+    geo_mean = jnp.exp(jnp.sum(top * jnp.log(eigval + floor)) / jnp.sum(top))
     ridge = shrinkage * geo_mean + 1e-6
-    chol = jnp.linalg.cholesky(cov + ridge * eye)
-    white = jax.scipy.linalg.solve_triangular(chol, h.T, lower=True).T
+    white = (h @ eigvec) * jax.lax.rsqrt(eigval + ridge)
     return jnp.where(weight > 0.0, white, h)
