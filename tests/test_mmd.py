@@ -196,18 +196,26 @@ def test_young_statistics_keep_a_ridge_on_their_null_space():
     )
     np.testing.assert_allclose(float(objectives.effective_rows(young)), 10.0, rtol=1e-5)
     probe = jnp.asarray(rng.normal(size=(50, dim)), jnp.float32)
-    seen = np.sort(np.linalg.eigvalsh(np.asarray(young["cov"]) / float(young["weight"])))[-10:]
+    seen = np.sort(
+        np.linalg.eigvalsh(np.asarray(young["cov"]) / float(young["weight"]))
+    )[-10:]
     white = objectives.whiten(probe, young, shrinkage=0.1)
     # At most 1 / (0.1 geometric mean of the seen eigenvalues) per unit.
     bound = np.sum(np.asarray(probe) ** 2, -1) / (0.1 * np.exp(np.mean(np.log(seen))))
     assert np.all(np.asarray(jnp.sum(white**2, -1)) <= bound * 1.001)
     bare = {"cov": young["cov"], "weight": young["weight"]}
     blown = objectives.whiten(probe, bare, shrinkage=0.1)
-    assert float(jnp.mean(jnp.sum(blown**2, -1))) > 20 * float(jnp.mean(jnp.sum(white**2, -1)))
+    assert float(jnp.mean(jnp.sum(blown**2, -1))) > 20 * float(
+        jnp.mean(jnp.sum(white**2, -1))
+    )
     for _ in range(300):
-        young = objectives.update_covariance(young, h, labels, num_classes=2, decay=decay)
+        young = objectives.update_covariance(
+            young, h, labels, num_classes=2, decay=decay
+        )
     np.testing.assert_allclose(
-        float(objectives.effective_rows(young)), 10.0 * (1 + decay) / (1 - decay), rtol=1e-3
+        float(objectives.effective_rows(young)),
+        10.0 * (1 + decay) / (1 - decay),
+        rtol=1e-3,
     )
 
 

@@ -18,11 +18,11 @@ from moddiffy_jax.objectives.known_bias import (
     product_of_experts_loss,
 )
 from moddiffy_jax.objectives.mmd import (
+    effective_rows,
+    init_covariance,
     kernel_matrix,
     mmd_loss,
     unbiased_mmd2,
-    effective_rows,
-    init_covariance,
     update_covariance,
     whiten,
     within_group_scatter,

@@ -298,6 +298,7 @@ def update_covariance(
     )
     ok = dof >= 2.0
     batch_cov = scatter / jnp.maximum(dof, 1.0)
+
     def ema(key, value, power=1):
         mixed = decay**power * stats[key] + (1.0 - decay) ** power * value
         return jnp.where(ok, mixed, stats[key])
