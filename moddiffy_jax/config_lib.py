@@ -103,6 +103,9 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.method.mmd_whiten = False
     c.method.mmd_whiten_decay = 0.98
     c.method.mmd_whiten_shrinkage = 0.1
+    # Whose scatter: "attribute" (the groups a probe of the attribute tells
+    # apart; the task's spread counts) or "cell" ((task, attribute) pairs).
+    c.method.mmd_whiten_within = "attribute"
     c.method.freeze_task_head = False  # in modular debias steps.
     c.method.core_run = ""  # moddiffy_post: workdir of a finetune run.
     # The task term of every method: "ce", or a known-bias loss ("poe",

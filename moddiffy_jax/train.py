@@ -229,6 +229,7 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
                 ("mmd_whiten", False),
                 ("mmd_whiten_decay", 0.98),
                 ("mmd_whiten_shrinkage", 0.1),
+                ("mmd_whiten_within", "cell"),
             )
         }
         if not 0.0 <= removal["mmd_whiten_decay"] < 1.0:
@@ -246,6 +247,7 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
             ("adv_loss", common.ADV_LOSSES),
             ("mmd_kernel", objectives_mmd.KERNELS),
             ("mmd_conditional", common.MMD_CONDITIONS),
+            ("mmd_whiten_within", common.WHITEN_WITHIN),
         ):
             if removal[key] not in valid:
                 raise ValueError(

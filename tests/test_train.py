@@ -201,9 +201,11 @@ def test_debias_steps_touch_only_their_diff():
     assert not changed(frozen_before, frozen)
 
 
-def test_whitened_mmd_updates_only_its_attributes_statistics():
+@pytest.mark.parametrize("within", ["attribute", "cell"])
+def test_whitened_mmd_updates_only_its_attributes_statistics(within):
     ctx, substeps, state, frozen, batch = _first_step(
-        "moddiffy_par", **{"method.mmd_whiten": True}
+        "moddiffy_par",
+        **{"method.mmd_whiten": True, "method.mmd_whiten_within": within},
     )
     stats = state.trainable[common.MMD_STATS]
     assert set(stats) == {"gender", "age"}
@@ -221,6 +223,12 @@ def test_whitened_mmd_updates_only_its_attributes_statistics():
     assert np.all(np.linalg.eigvalsh(cov) > -1e-4) and np.trace(cov) > 0
     assert float(after["age"]["weight"]) == 0.0
     assert not np.any(np.asarray(after["age"]["cov"]))
+    # Degrees of freedom: rows minus the groups whose scatter is pooled
+    # (gender values, or (task, gender) cells).
+    gender = np.asarray(batch["attrs"]["gender"])
+    groups = gender if within == "attribute" else 2 * np.asarray(batch["task"]) + gender
+    dof = len(gender) - len(np.unique(groups))
+    np.testing.assert_allclose(float(after["gender"]["rows"]), (1.0 - decay) * dof)
 
 
 def test_auto_conditioning_follows_the_training_table():
@@ -330,6 +338,19 @@ def test_unknown_attribute_and_method(tmp_path):
         )
     with pytest.raises(ValueError, match="valid methods"):
         registry.get_method("moddify_par")
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("mmd_whiten_within", "task", "mmd_whiten_within='task' is not one of"),
+        ("mmd_conditional", "strata", "mmd_conditional='strata' is not one of"),
+        ("mmd_whiten_shrinkage", 0.0, "mmd_whiten_shrinkage must be > 0"),
+    ],
+)
+def test_bad_removal_settings_are_named(key, value, message):
+    with pytest.raises(ValueError, match=message):
+        train.build_context(tiny("moddiffy_par", **{f"method.{key}": value}))
 
 
 def test_configs_are_locked_and_arguments_checked():

@@ -52,6 +52,8 @@ DEBIAS_MODES = ("none", "joint", "modular")
 DEBIAS_OBJECTIVES = ("adversarial", "mmd")
 ADV_LOSSES = ("grl", "confusion")
 MMD_CONDITIONS = ("stratify", "reweight", "residual", "auto", "none")
+#: Groups whose pooled scatter the whitened MMD reads (DebiasSettings).
+WHITEN_WITHIN = ("attribute", "cell")
 #: ``mmd_conditional="auto"`` stratifies an attribute when the smallest
 #: (task class, attribute value) cell of the training data is expected to
 #: hold at least this many members per batch, and reweights it otherwise.
@@ -324,6 +326,10 @@ class DebiasSettings:
     mmd_conditional_by_attr: Mapping[str, str] = dataclasses.field(default_factory=dict)
     mmd_whiten_decay: float = 0.98
     mmd_whiten_shrinkage: float = 0.1
+    # The groups whose pooled scatter is whitened: "attribute" (the metric a
+    # fresh probe of the attribute reads: the task's spread counts as
+    # within-group variance) or "cell" ((task, attribute) pairs).
+    mmd_whiten_within: str = "attribute"
 
 
 def debias_term(
@@ -375,12 +381,13 @@ def debias_term(
     )
     out = {}
     if settings.mmd_whiten:
+        by_cell = mode != "none" and settings.mmd_whiten_within == "cell"
         stats = objectives.update_covariance(
             trainable[MMD_STATS][attribute],
             h,
             labels,
             num_classes=settings.attr_classes[attribute],
-            task=None if mode == "none" else task,
+            task=task if by_cell else None,
             num_task_classes=settings.num_task_classes,
             decay=settings.mmd_whiten_decay,
         )
