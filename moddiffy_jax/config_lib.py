@@ -94,13 +94,14 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # marginal task distribution, "residual" reweights after subtracting each
     # task class's batch mean (no task distance left in the kernel), "none"
     # ignores the task (objectives/mmd.py).
-    c.method.mmd_kernel = "gaussian"
+    c.method.mmd_kernel = "both"
     c.method.mmd_conditional = "stratify"
-    # Whitening (off by default: measured mixed, docs/efficacy.md): the kernels
-    # read the representations in the metric of a running within-group
-    # covariance (EMA with this decay; ridge of shrinkage times the geometric
-    # mean variance), the metric a fresh linear probe reads.
-    c.method.mmd_whiten = False
+    # Whitening: the kernels read the representations in the metric of a
+    # running within-group covariance (EMA with this decay; ridge of shrinkage
+    # times the geometric mean of the eigenvalues seen), the metric a fresh
+    # linear probe reads. Without it a diff can meet the MMD by inflating one
+    # direction while a probe still reads the attribute (docs/efficacy.md).
+    c.method.mmd_whiten = True
     c.method.mmd_whiten_decay = 0.98
     c.method.mmd_whiten_shrinkage = 0.1
     # Whose scatter: "attribute" (the groups a probe of the attribute tells
