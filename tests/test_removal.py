@@ -7,10 +7,11 @@ vectors carry gender well beyond what the task label implies (the floor).
 MoDDiffy-post then trains one sparse gender diff on that frozen core with the
 library's default recipe (unbiased task-conditional MMD with linear and
 Gaussian kernels in the metric of the attribute groups' running covariance,
-gradual pruning to the budget, fixmask). A fresh class-balanced linear probe, fit on frozen
-train representations, must leak clearly less on held-out data with the diff
-than without it, with the task kept. A change that breaks removal (the
-objective, the gradual pruning, the cut, the fixmask phase) fails here.
+gradual pruning to the budget, fixmask). A fresh class-balanced linear
+probe, fit on frozen train representations, must leak clearly less on
+held-out data with the diff than without it, with the task kept. A change
+that breaks removal (the objective, the gradual pruning, the cut, the
+fixmask phase) fails here.
 
 The adversarial objective is not asserted: under fresh probes it removes
 nothing on MiniLM either (docs/efficacy.md), so a test that it does would be
