@@ -224,7 +224,13 @@ def test_task_distill_term_reads_the_core_without_gradient():
     grad = jax.grad(
         lambda t: jnp.sum(
             common._core_prediction(
-                ctx.model, ctx.method, t, frozen, batch, phase="l0", settings=ctx.diff_settings
+                ctx.model,
+                ctx.method,
+                t,
+                frozen,
+                batch,
+                phase="l0",
+                settings=ctx.diff_settings,
             )
         )
     )(state.trainable)
