@@ -107,6 +107,10 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # Whose scatter: "attribute" (the groups a probe of the attribute tells
     # apart; the task's spread counts) or "cell" ((task, attribute) pairs).
     c.method.mmd_whiten_within = "attribute"
+    # Modular debias steps: weight of the KL divergence from the core's own
+    # task prediction (no diff, no gradient) to the prediction with the diff,
+    # so removing an attribute does not remove the task with it. 0 = off.
+    c.method.task_distill = 0.0
     c.method.freeze_task_head = False  # in modular debias steps.
     c.method.core_run = ""  # moddiffy_post: workdir of a finetune run.
     # The task term of every method: "ce", or a known-bias loss ("poe",

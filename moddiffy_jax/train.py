@@ -230,8 +230,14 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
                 ("mmd_whiten_decay", 0.98),
                 ("mmd_whiten_shrinkage", 0.1),
                 ("mmd_whiten_within", "cell"),
+                ("task_distill", 0.0),
             )
         }
+        if removal["task_distill"] < 0.0:
+            raise ValueError(
+                "config.method.task_distill must be >= 0 (0 turns the "
+                f"task-keeping term off), got {removal['task_distill']}."
+            )
         if not 0.0 <= removal["mmd_whiten_decay"] < 1.0:
             raise ValueError(
                 "config.method.mmd_whiten_decay must be in [0, 1), got "

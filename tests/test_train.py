@@ -201,6 +201,48 @@ def test_debias_steps_touch_only_their_diff():
     assert not changed(frozen_before, frozen)
 
 
+def test_task_distill_term_reads_the_core_without_gradient():
+    ctx, substeps, state, frozen, batch = _first_step(
+        "moddiffy_par", **{"method.task_distill": 2.0}
+    )
+    gender_only = [s for s in substeps if s.name == "debias/gender"]
+    loss = gender_only[0].loss
+    rng = jax.random.PRNGKey(0)
+    _, terms = loss(state.trainable, frozen, batch, rng)
+    assert float(terms["distill"]) >= 0.0 and np.isfinite(float(terms["distill"]))
+    # The teacher is the core without the diff, a distribution, and carries
+    # no gradient.
+    teacher = common._core_prediction(
+        ctx.model,
+        ctx.method,
+        state.trainable,
+        frozen,
+        batch,
+        phase="l0",
+        settings=ctx.diff_settings,
+    )
+    grad = jax.grad(
+        lambda t: jnp.sum(
+            common._core_prediction(
+                ctx.model,
+                ctx.method,
+                t,
+                frozen,
+                batch,
+                phase="l0",
+                settings=ctx.diff_settings,
+            )
+        )
+    )(state.trainable)
+    assert not any(np.any(np.asarray(g)) for g in jax.tree.leaves(grad))
+    np.testing.assert_allclose(np.exp(np.asarray(teacher)).sum(-1), 1.0, rtol=1e-5)
+    off = _first_step("moddiffy_par")[1]
+    _, terms_off = [s for s in off if s.name == "debias/gender"][0].loss(
+        state.trainable, frozen, batch, rng
+    )
+    assert "distill" not in terms_off
+
+
 @pytest.mark.parametrize("within", ["attribute", "cell"])
 def test_whitened_mmd_updates_only_its_attributes_statistics(within):
     ctx, substeps, state, frozen, batch = _first_step(
@@ -346,6 +388,7 @@ def test_unknown_attribute_and_method(tmp_path):
         ("mmd_whiten_within", "task", "mmd_whiten_within='task' is not one of"),
         ("mmd_conditional", "strata", "mmd_conditional='strata' is not one of"),
         ("mmd_whiten_shrinkage", 0.0, "mmd_whiten_shrinkage must be > 0"),
+        ("task_distill", -1.0, "task_distill must be >= 0"),
     ],
 )
 def test_bad_removal_settings_are_named(key, value, message):

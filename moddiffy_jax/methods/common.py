@@ -330,6 +330,10 @@ class DebiasSettings:
     # fresh probe of the attribute reads: the task's spread counts as
     # within-group variance) or "cell" ((task, attribute) pairs).
     mmd_whiten_within: str = "attribute"
+    # Weight of a task-keeping term in the modular debias steps: the KL
+    # divergence from the core's own (undebiased, stop-gradient) task
+    # prediction to the prediction with the diff. 0 = off.
+    task_distill: float = 0.0
 
 
 def debias_term(
@@ -505,7 +509,8 @@ def _task_forward(
 ):
     """Encoder forward (with ``attribute``'s diff, if any) and the task term.
 
-    Returns ``(h, terms, rng_for_removal)`` with ``terms = {"task": loss}``.
+    Returns ``(h, logits, terms, rng_for_removal)`` with
+    ``terms = {"task": loss}``.
     """
     r_diff, r_enc, r_head, r_adv = jax.random.split(rng, 4)
     if method.encoder in SUBNETWORK_MODES:
@@ -532,7 +537,26 @@ def _task_forward(
         h = model.represent(params, batch, r_enc, True)
     logits = model.task_logits(head, h, r_head, True)
     terms["task"] = task_loss_value(task_loss, logits, batch)
-    return h, terms, r_adv
+    return h, logits, terms, r_adv
+
+
+def _core_prediction(model, method, trainable, frozen, batch, *, phase, settings):
+    """The task log-probabilities without any attribute diff (no dropout, no
+    gradient): what a debias step should keep."""
+    params = encoder_params(
+        method,
+        trainable,
+        frozen,
+        phase=phase,
+        settings=settings,
+        attribute=None,
+        rng=None,
+        train=False,
+    )
+    head = trainable.get("task_head", frozen.get("task_head"))
+    h = model.represent(params, batch, None, False)
+    logits = model.task_logits(head, h, None, False)
+    return jax.lax.stop_gradient(jax.nn.log_softmax(logits.astype(jnp.float32), -1))
 
 
 def make_task_loss(
@@ -548,7 +572,7 @@ def make_task_loss(
     """Loss of the task step (plus joint debias terms and the task-diff L0)."""
 
     def loss(trainable, frozen, batch, rng):
-        h, terms, r_adv = _task_forward(
+        h, _, terms, r_adv = _task_forward(
             model,
             method,
             trainable,
@@ -599,7 +623,7 @@ def make_debias_loss(
     """
 
     def loss(trainable, frozen, batch, rng):
-        h, terms, r_adv = _task_forward(
+        h, logits, terms, r_adv = _task_forward(
             model,
             method,
             trainable,
@@ -611,6 +635,19 @@ def make_debias_loss(
             attribute=attribute,
             task_loss=task_loss,
         )
+        if debias.task_distill > 0.0:
+            teacher = _core_prediction(
+                model,
+                method,
+                trainable,
+                frozen,
+                batch,
+                phase=phase,
+                settings=diff_settings,
+            )
+            student = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+            kl = jnp.sum(jnp.exp(teacher) * (teacher - student), -1)
+            terms["distill"] = debias.task_distill * jnp.mean(kl)
         removal = debias_term(
             model,
             trainable,
