@@ -10,15 +10,14 @@ Arguments after ":" are comma-separated key=value pairs: data=synthetic|dwmw17
 ../shared/data/dwmw17_dialect by path), model=minilm|tiny,
 objective=mmd|adversarial (default mmd). Any field can be overridden with
 --config.<field>=<value>; the config is locked, so a misspelled field fails.
-Measured (2-core CPU, 2026-11-23, default recipe: unbiased task-conditional
-MMD, gradual pruning; BENCHMARKS.md, docs/efficacy.md), synthetic (10 min
-from a fresh clone, training and evaluation 566 s): test
-accuracy core 0.926, core+gender 0.908, core+age 0.916; gender leakage
-(paper's attacker) 0.981 -> 0.927 (floor 0.912), age 0.966 -> 0.761 (floor
-0.744); a linear probe reads more (gender 0.970 -> 0.958, age 0.962 ->
-0.924). dwmw17 (25 min with evaluation, while another job shared the
-cores): test accuracy 0.916 -> 0.912, dialect leakage 0.940 -> 0.870
-(linear 0.962 -> 0.920), RMS TPR gap 0.364 -> 0.143.
+Measured (2-core CPU, 2026-11-23, default recipe: whitened linear + Gaussian
+task-conditional MMD, gradual pruning; BENCHMARKS.md, docs/efficacy.md),
+synthetic, 3 training seeds: test accuracy core 0.932 ± 0.003, core+gender
+0.913 ± 0.001, core+age 0.893 ± 0.017; gender leakage (paper's attacker)
+0.978 -> 0.879 (floor 0.912), age 0.963 -> 0.718 (floor 0.744); 10 min on
+an idle machine (seed 0). dwmw17, seed 0: test accuracy 0.915 -> 0.888,
+dialect leakage 0.939 -> 0.794 (the floor; linear 0.963 -> 0.843), RMS TPR
+gap 0.353 -> 0.143.
 """
 
 from moddiffy_jax.config_lib import experiment_config
