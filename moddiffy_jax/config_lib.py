@@ -111,6 +111,14 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # task prediction (no diff, no gradient) to the prediction with the diff,
     # so removing an attribute does not remove the task with it. 0 = off.
     c.method.task_distill = 0.0
+    # Task guard: each diff's removal weight backs off (down to 1 %) while the
+    # diff's running accuracy on the training batches trails the core's by
+    # more than the slack, and comes back while it does not (dual ascent on
+    # "the diff keeps the task"; docs/efficacy.md).
+    c.method.task_guard = False
+    c.method.task_guard_slack = 0.01
+    c.method.task_guard_rate = 1.0
+    c.method.task_guard_decay = 0.9
     c.method.freeze_task_head = False  # in modular debias steps.
     c.method.core_run = ""  # moddiffy_post: workdir of a finetune run.
     # The task term of every method: "ce", or a known-bias loss ("poe",

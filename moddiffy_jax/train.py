@@ -231,8 +231,23 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
                 ("mmd_whiten_shrinkage", 0.1),
                 ("mmd_whiten_within", "cell"),
                 ("task_distill", 0.0),
+                ("task_guard", False),
+                ("task_guard_slack", 0.01),
+                ("task_guard_rate", 1.0),
+                ("task_guard_decay", 0.9),
             )
         }
+        for key, low, high in (
+            ("task_guard_slack", -1.0, 1.0),
+            ("task_guard_rate", 0.0, float("inf")),
+            ("task_guard_decay", 0.0, 1.0),
+        ):
+            if not low <= removal[key] < high:
+                raise ValueError(
+                    f"config.method.{key} must be in [{low}, {high}), got "
+                    f"{removal[key]} (see the task guard in configs/README or "
+                    "docs/efficacy.md)."
+                )
         if removal["task_distill"] < 0.0:
             raise ValueError(
                 "config.method.task_distill must be >= 0 (0 turns the "
@@ -423,6 +438,8 @@ def init_state(ctx: Context, rng: jax.Array) -> tuple[dict, dict]:
             trainable[common.MMD_STATS] = common.init_mmd_stats(
                 model.feature_dim, ctx.attributes
             )
+    if ctx.debias is not None and ctx.debias.task_guard and method.debias == "modular":
+        trainable[common.TASK_GUARD] = common.init_task_guard(ctx.attributes)
     if ctx.debias is not None and ctx.debias.objective == "adversarial":
         trainable["adversaries"] = {
             attr: model.init_adversary(attr, jax.random.fold_in(r_adv, i))

@@ -243,6 +243,58 @@ def test_task_distill_term_reads_the_core_without_gradient():
     assert "distill" not in terms_off
 
 
+def test_task_guard_backs_off_removal_while_the_diff_costs_the_task():
+    """The guard's dual step: the backoff rises by rate * (gap - slack) while
+    the diff trails the core, falls back to 0 when it does not, and the
+    removal terms are scaled by exp(-backoff) of the state before the step."""
+    settings = common.DebiasSettings(
+        objective="mmd",
+        adv_lambda=1.0,
+        mmd_weight=1.0,
+        attr_classes={"gender": 2},
+        task_guard=True,
+        task_guard_slack=0.01,
+        task_guard_rate=2.0,
+        task_guard_decay=0.5,
+    )
+    state = {"gap": jnp.zeros(()), "backoff": jnp.zeros(())}
+    state = common.guard_update(state, jnp.asarray(0.9), jnp.asarray(0.7), settings)
+    np.testing.assert_allclose(state["gap"], 0.1, rtol=1e-6)
+    np.testing.assert_allclose(state["backoff"], 2.0 * (0.1 - 0.01), rtol=1e-6)
+    for _ in range(50):  # the diff now matches the core: the gap decays.
+        state = common.guard_update(state, jnp.asarray(0.9), jnp.asarray(0.9), settings)
+    assert float(state["backoff"]) == 0.0  # clipped at 0, never a boost.
+
+    ctx, substeps, state, frozen, batch = _first_step(
+        "moddiffy_par", **{"method.task_guard": True}
+    )
+    guard = state.trainable[common.TASK_GUARD]
+    assert set(guard["attrs"]) == {"gender", "age"}
+    backed_off = common.set_part(
+        state.trainable,
+        (common.TASK_GUARD, "attrs", "gender", "backoff"),
+        jnp.asarray(np.log(4.0), jnp.float32),
+    )
+    gender = [s for s in substeps if s.name == "debias/gender"][0]
+    rng = jax.random.PRNGKey(0)
+    _, full = gender.loss(state.trainable, frozen, batch, rng)
+    _, quarter = gender.loss(backed_off, frozen, batch, rng)
+    np.testing.assert_allclose(
+        quarter["mmd/gender"], full["mmd/gender"] / 4.0, rtol=1e-5
+    )
+    np.testing.assert_allclose(quarter["task"], full["task"], rtol=1e-6)
+    new, metrics = jax.jit(common.make_train_step(substeps))(state, frozen, batch, rng)
+    # The task step wrote the core's batch accuracy; each debias step its gap.
+    core_acc = float(new.trainable[common.TASK_GUARD]["core_acc"])
+    assert 0.0 <= core_acc <= 1.0
+    for attr in ("gender", "age"):
+        gap = float(new.trainable[common.TASK_GUARD]["attrs"][attr]["gap"])
+        assert gap == pytest.approx(float(metrics[f"debias/{attr}/guard/gap"]))
+        assert 0.0 < float(metrics[f"debias/{attr}/guard/weight"]) <= 1.0
+    off = _first_step("moddiffy_par")[2]
+    assert common.TASK_GUARD not in off.trainable
+
+
 @pytest.mark.parametrize("within", ["attribute", "cell"])
 def test_whitened_mmd_updates_only_its_attributes_statistics(within):
     ctx, substeps, state, frozen, batch = _first_step(
@@ -389,6 +441,8 @@ def test_unknown_attribute_and_method(tmp_path):
         ("mmd_conditional", "strata", "mmd_conditional='strata' is not one of"),
         ("mmd_whiten_shrinkage", 0.0, "mmd_whiten_shrinkage must be > 0"),
         ("task_distill", -1.0, "task_distill must be >= 0"),
+        ("task_guard_decay", 1.0, "task_guard_decay must be in"),
+        ("task_guard_rate", -1.0, "task_guard_rate must be in"),
     ],
 )
 def test_bad_removal_settings_are_named(key, value, message):

@@ -334,6 +334,15 @@ class DebiasSettings:
     # divergence from the core's own (undebiased, stop-gradient) task
     # prediction to the prediction with the diff. 0 = off.
     task_distill: float = 0.0
+    # Task guard (dual ascent on a task constraint): each diff's removal
+    # weight is scaled by exp(-backoff); the backoff rises while the diff's
+    # running task accuracy on the training batches trails the core's by
+    # more than ``task_guard_slack`` and falls (to 0) while it does not.
+    task_guard: bool = False
+    task_guard_slack: float = 0.01
+    task_guard_rate: float = 1.0
+    task_guard_decay: float = 0.9
+    task_guard_max: float = 4.6  # the removal weight never falls below 1 %.
 
 
 def debias_term(
@@ -435,11 +444,56 @@ def init_mmd_stats(feature_dim: int, attributes: Sequence[str]) -> dict[str, Any
     return {a: objectives.init_covariance(feature_dim) for a in attributes}
 
 
+#: Where the task guard keeps its state in the trainable tree: the core's
+#: accuracy on the current batch (written by the task step) and, per
+#: attribute, the running accuracy gap and the removal weight's log backoff.
+TASK_GUARD = "task_guard"
+
+
+def init_task_guard(attributes: Sequence[str]) -> dict[str, Any]:
+    """Zero state for the task guard (every leaf its own buffer: donation)."""
+    return {
+        "core_acc": jnp.zeros((), jnp.float32),
+        "attrs": {
+            a: {
+                "gap": jnp.zeros((), jnp.float32),
+                "backoff": jnp.zeros((), jnp.float32),
+            }
+            for a in attributes
+        },
+    }
+
+
+def _accuracy(logits: jax.Array, task: jax.Array) -> jax.Array:
+    hit = jnp.argmax(logits, -1) == task
+    return jax.lax.stop_gradient(jnp.mean(hit.astype(jnp.float32)))
+
+
+def guard_update(
+    state: Mapping[str, jax.Array],
+    core_acc: jax.Array,
+    diff_acc: jax.Array,
+    settings: DebiasSettings,
+) -> dict[str, jax.Array]:
+    """One dual-ascent step of an attribute's task guard.
+
+    ``gap`` is an EMA of (core accuracy - diff accuracy) on the training
+    batches; ``backoff`` (the log of the factor the removal weight is divided
+    by) moves by ``rate * (gap - slack)`` and stays in ``[0, max]``.
+    """
+    d = settings.task_guard_decay
+    gap = d * state["gap"] + (1.0 - d) * (core_acc - diff_acc)
+    step = settings.task_guard_rate * (gap - settings.task_guard_slack)
+    backoff = jnp.clip(state["backoff"] + step, 0.0, settings.task_guard_max)
+    return {"gap": gap, "backoff": backoff}
+
+
 def _merge_terms(terms: dict[str, Any], new: Mapping[str, Any]) -> None:
-    """``terms.update(new)``, but state updates (:data:`STATE_KEY`) accumulate."""
+    """``terms.update(new)``, but state updates (:data:`STATE_KEY`) and
+    logged values (:data:`INFO_KEY`) accumulate."""
     for key, value in new.items():
-        if key == STATE_KEY:
-            terms.setdefault(STATE_KEY, {}).update(value)
+        if key in (STATE_KEY, INFO_KEY):
+            terms.setdefault(key, {}).update(value)
         else:
             terms[key] = value
 
@@ -572,7 +626,7 @@ def make_task_loss(
     """Loss of the task step (plus joint debias terms and the task-diff L0)."""
 
     def loss(trainable, frozen, batch, rng):
-        h, _, terms, r_adv = _task_forward(
+        h, logits, terms, r_adv = _task_forward(
             model,
             method,
             trainable,
@@ -601,9 +655,51 @@ def make_task_loss(
         if method.encoder == "diff" and phase == "l0":
             penalty = diffs_lib.l0_penalty(trainable["task_diff"], hc=diff_settings.hc)
             terms["l0/task"] = diff_settings.l0_weight * penalty
+        if debias is not None and debias.task_guard and method.debias == "modular":
+            acc = _accuracy(logits, batch["task"])
+            _merge_terms(terms, {STATE_KEY: {(TASK_GUARD, "core_acc"): acc}})
         return _total(terms), terms
 
     return loss
+
+
+def _core_accuracy(model, method, trainable, frozen, batch, phase, settings):
+    """The core's task accuracy on ``batch`` (no diff, eval mode)."""
+    logp = _core_prediction(
+        model, method, trainable, frozen, batch, phase=phase, settings=settings
+    )
+    return _accuracy(logp, batch["task"])
+
+
+def _guarded(removal, trainable, frozen, batch, logits, attribute, debias, core_acc):
+    """``removal`` scaled by the attribute's task guard, and the guard's update.
+
+    The core's accuracy on the batch is the task step's (the same batch, a
+    step earlier in the same train step) where the core trains; with a frozen
+    core (MoDDiffy-post) ``core_acc()`` computes it.
+    """
+    guard = trainable[TASK_GUARD]
+    state = guard["attrs"][attribute]
+    # A trained core: the task step wrote its accuracy on this batch.
+    reference = guard["core_acc"] if "core" in trainable else core_acc()
+    new = guard_update(state, reference, _accuracy(logits, batch["task"]), debias)
+    scale = jnp.exp(-jax.lax.stop_gradient(state["backoff"]))
+    out = {}
+    for key, value in removal.items():
+        if key == STATE_KEY:
+            out[key] = dict(value)
+        elif key.startswith("adv/") and debias.adv_loss == "confusion":
+            out[key] = value  # the adversaries' own fit is not removal.
+        else:
+            out[key] = scale * value
+    out.setdefault(STATE_KEY, {}).update(
+        {(TASK_GUARD, "attrs", attribute, k): v for k, v in new.items()}
+    )
+    out[INFO_KEY] = {
+        "guard/gap": new["gap"],
+        "guard/weight": jnp.exp(-new["backoff"]),
+    }
+    return out
 
 
 def make_debias_loss(
@@ -659,6 +755,19 @@ def make_debias_loss(
             train=True,
             task=batch["task"],
         )
+        if debias.task_guard:
+            removal = _guarded(
+                removal,
+                trainable,
+                frozen,
+                batch,
+                logits,
+                attribute,
+                debias,
+                core_acc=lambda: _core_accuracy(
+                    model, method, trainable, frozen, batch, phase, diff_settings
+                ),
+            )
         _merge_terms(terms, removal)
         if phase == "l0":
             penalty = diffs_lib.l0_penalty(
@@ -677,10 +786,13 @@ def make_debias_loss(
 #: is not differentiated but replaced after the update (BatchNorm running
 #: statistics: ``{("core", "batch_stats"): new_stats}``).
 STATE_KEY = "_state"
+#: ... and under this key ``{name: value}`` that is logged, not added to the
+#: loss (the task guard's running gap and weight).
+INFO_KEY = "_info"
 
 
 def _total(terms: Mapping[str, Any]) -> jax.Array:
-    return sum(v for k, v in terms.items() if k != STATE_KEY)
+    return sum(v for k, v in terms.items() if k not in (STATE_KEY, INFO_KEY))
 
 
 def make_train_step(substeps: Sequence[SubStep]) -> Callable:
@@ -713,6 +825,7 @@ def make_train_step(substeps: Sequence[SubStep]) -> Callable:
             trainable = scatter_parts(trainable, own, sub.updates)
             for key, value in terms.pop(STATE_KEY, {}).items():
                 trainable = set_part(trainable, key, value)
+            terms.update(terms.pop(INFO_KEY, {}))
             metrics[f"{sub.name}/loss"] = total
             metrics[f"{sub.name}/grad_norm"] = optax.global_norm(grads)
             for name, value in terms.items():
