@@ -30,9 +30,8 @@ import numpy as np
 from absl import logging
 
 from moddiffy_jax import checkpoints, parallel
-from moddiffy_jax.methods import common, srnets
+from moddiffy_jax.methods import common, removal, srnets
 from moddiffy_jax.methods import registry as method_registry
-from moddiffy_jax.objectives import mmd as objectives_mmd
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import hard_concrete, selection
 from moddiffy_jax.subnets import masks as masks_lib
@@ -138,7 +137,7 @@ class Context:
     attributes: tuple[str, ...]
     mesh: Any
     diff_settings: common.DiffSettings
-    debias: common.DebiasSettings | None
+    debias: removal.DebiasSettings | None
 
 
 def is_vision(config: ml_collections.ConfigDict) -> bool:
@@ -213,85 +212,13 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
     )
     debias = None
     if method.debias != "none":
-        if config.method.objective not in common.DEBIAS_OBJECTIVES:
-            raise ValueError(
-                f"config.method.objective={config.method.objective!r} is not one of "
-                f"{common.DEBIAS_OBJECTIVES}."
-            )
-        # Runs made before these fields existed (their config.json lacks
-        # them) are read with the behaviour they were trained with.
-        removal = {
-            key: config.method.get(key, old)
-            for key, old in (
-                ("adv_loss", "grl"),
-                ("mmd_kernel", "gaussian"),
-                ("mmd_conditional", "none"),
-                ("mmd_whiten", False),
-                ("mmd_whiten_decay", 0.98),
-                ("mmd_whiten_shrinkage", 0.1),
-                ("mmd_whiten_within", "cell"),
-                ("task_distill", 0.0),
-                ("task_guard", False),
-                ("task_guard_slack", 0.01),
-                ("task_guard_rate", 1.0),
-                ("task_guard_decay", 0.9),
-            )
-        }
-        for key, low, high in (
-            ("task_guard_slack", -1.0, 1.0),
-            ("task_guard_rate", 0.0, float("inf")),
-            ("task_guard_decay", 0.0, 1.0),
-        ):
-            if not low <= removal[key] < high:
-                raise ValueError(
-                    f"config.method.{key} must be in [{low}, {high}), got "
-                    f"{removal[key]} (see the task guard in configs/README or "
-                    "docs/efficacy.md)."
-                )
-        if removal["task_distill"] < 0.0:
-            raise ValueError(
-                "config.method.task_distill must be >= 0 (0 turns the "
-                f"task-keeping term off), got {removal['task_distill']}."
-            )
-        if not 0.0 <= removal["mmd_whiten_decay"] < 1.0:
-            raise ValueError(
-                "config.method.mmd_whiten_decay must be in [0, 1), got "
-                f"{removal['mmd_whiten_decay']}."
-            )
-        if removal["mmd_whiten_shrinkage"] <= 0.0:
-            raise ValueError(
-                "config.method.mmd_whiten_shrinkage must be > 0 (the ridge that "
-                "keeps the running covariance invertible), got "
-                f"{removal['mmd_whiten_shrinkage']}."
-            )
-        for key, valid in (
-            ("adv_loss", common.ADV_LOSSES),
-            ("mmd_kernel", objectives_mmd.KERNELS),
-            ("mmd_conditional", common.MMD_CONDITIONS),
-            ("mmd_whiten_within", common.WHITEN_WITHIN),
-        ):
-            if removal[key] not in valid:
-                raise ValueError(
-                    f"config.method.{key}={removal[key]!r} is not one of {valid}."
-                )
-        joint = _attr_tables(dataset, attributes, conditional=False)
-        by_attr = {}
-        if removal["mmd_conditional"] == "auto":
-            by_attr = {
-                a: common.auto_conditioning(joint[a], config.train.batch_size)
-                for a in attributes
-            }
-            logging.info("mmd_conditional=auto resolved to %s", by_attr)
-        debias = common.DebiasSettings(
-            objective=config.method.objective,
-            adv_lambda=config.method.adv_lambda,
-            mmd_weight=config.method.mmd_weight,
+        debias = removal.settings_from_config(
+            config.method,
             attr_classes=attr_classes,
             attr_prior=_attr_tables(dataset, attributes, conditional=True),
-            attr_joint=joint,
-            mmd_conditional_by_attr=by_attr,
-            **removal,
+            attr_joint=_attr_tables(dataset, attributes, conditional=False),
             num_task_classes=len(dataset.task_classes),
+            batch_size=config.train.batch_size,
         )
     if config.method.task_loss == "conf_reg":
         dataset = _with_teacher_probs(config, dataset, model)
@@ -435,11 +362,11 @@ def init_state(ctx: Context, rng: jax.Array) -> tuple[dict, dict]:
         }
     if ctx.debias is not None and ctx.debias.objective == "mmd":
         if ctx.debias.mmd_whiten:
-            trainable[common.MMD_STATS] = common.init_mmd_stats(
+            trainable[removal.MMD_STATS] = removal.init_mmd_stats(
                 model.feature_dim, ctx.attributes
             )
     if ctx.debias is not None and ctx.debias.task_guard and method.debias == "modular":
-        trainable[common.TASK_GUARD] = common.init_task_guard(ctx.attributes)
+        trainable[removal.TASK_GUARD] = removal.init_task_guard(ctx.attributes)
     if ctx.debias is not None and ctx.debias.objective == "adversarial":
         trainable["adversaries"] = {
             attr: model.init_adversary(attr, jax.random.fold_in(r_adv, i))

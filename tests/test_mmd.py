@@ -311,3 +311,26 @@ def test_whitened_linear_kernel_cannot_be_diluted_by_one_inflated_direction():
     assert abs(infl - base) < 4 * np.hypot(se0, se1)
     assert base > 10 * se0
     assert mean_mmd(inflated, False)[0] < 0.2 * mean_mmd(hs, False)[0]
+
+
+@pytest.mark.parametrize("kernel", ["linear", "gaussian"])
+def test_whitened_mmd_is_not_lowered_by_shrinking_the_representation(kernel):
+    """A representation shrunk after the (lagging) statistics were taken has
+    the same whitened MMD: collapsing is not removal (the age diff on MiniLM
+    shrank its representation 24-fold under the fixed scale)."""
+    rng = np.random.default_rng(6)
+    labels = jnp.asarray(np.arange(64) % 2)
+    h = rng.normal(size=(64, 16))
+    h[:, 0] += 1.5 * np.asarray(labels)
+    stats = {"cov": jnp.eye(16), "weight": jnp.ones(())}
+
+    def value(x):
+        white = objectives.whiten(jnp.asarray(x, jnp.float32), stats)
+        return float(
+            objectives.mmd_loss(
+                white, labels, num_classes=2, kernel=kernel, whitened=True
+            )
+        )
+
+    assert value(h) > 0.05
+    np.testing.assert_allclose(value(0.05 * h), value(h), rtol=1e-3)

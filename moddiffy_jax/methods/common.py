@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import optax
 
 from moddiffy_jax import objectives
+from moddiffy_jax.methods import removal
+from moddiffy_jax.methods.terms import INFO_KEY, STATE_KEY, merge_terms, total
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import hard_concrete, selection
 from moddiffy_jax.subnets import masks as masks_lib
@@ -49,15 +51,6 @@ TASK_LOSSES = ("ce", "poe", "reweighting", "conf_reg")
 #: Encoder modes whose model is a binary-masked subnetwork (SRNets).
 SUBNETWORK_MODES = ("mask", "imp", "retrain")
 DEBIAS_MODES = ("none", "joint", "modular")
-DEBIAS_OBJECTIVES = ("adversarial", "mmd")
-ADV_LOSSES = ("grl", "confusion")
-MMD_CONDITIONS = ("stratify", "reweight", "residual", "auto", "none")
-#: Groups whose pooled scatter the whitened MMD reads (DebiasSettings).
-WHITEN_WITHIN = ("attribute", "cell")
-#: ``mmd_conditional="auto"`` stratifies an attribute when the smallest
-#: (task class, attribute value) cell of the training data is expected to
-#: hold at least this many members per batch, and reweights it otherwise.
-AUTO_MIN_MEMBERS = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,208 +289,6 @@ def encoder_params(
     return params
 
 
-# --------------------------------------------------------------------------
-# Losses of the sub-steps.
-
-
-@dataclasses.dataclass(frozen=True)
-class DebiasSettings:
-    objective: str  # "adversarial" or "mmd"
-    adv_lambda: float
-    mmd_weight: float
-    attr_classes: Mapping[str, int]
-    # MMD: kernel ("gaussian", "linear", "both") and whether the attribute
-    # groups are compared within each task class (then ``num_task_classes``).
-    mmd_kernel: str = "gaussian"
-    mmd_conditional: str = "stratify"  # or "reweight", "none"
-    num_task_classes: int = 0
-    # Adversarial: "grl" (gradient reversal, the paper) or "confusion" (the
-    # encoder matches the adversaries' prediction to ``attr_prior[a][task]``,
-    # the attribute distribution given the task label, [T][C] nested tuples).
-    adv_loss: str = "grl"
-    attr_prior: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    # Joint distribution of (task, attribute) on train, [T][C] nested tuples.
-    attr_joint: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    # MMD in the metric of a running within-group covariance (kept in
-    # ``trainable["mmd_stats"][attribute]``; objectives/mmd.py).
-    mmd_whiten: bool = False
-    # Per-attribute conditioning that overrides ``mmd_conditional`` (what
-    # "auto" resolved to, see :func:`auto_conditioning`).
-    mmd_conditional_by_attr: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    mmd_whiten_decay: float = 0.98
-    mmd_whiten_shrinkage: float = 0.1
-    # The groups whose pooled scatter is whitened: "attribute" (the metric a
-    # fresh probe of the attribute reads: the task's spread counts as
-    # within-group variance) or "cell" ((task, attribute) pairs).
-    mmd_whiten_within: str = "attribute"
-    # Weight of a task-keeping term in the modular debias steps: the KL
-    # divergence from the core's own (undebiased, stop-gradient) task
-    # prediction to the prediction with the diff. 0 = off.
-    task_distill: float = 0.0
-    # Task guard (dual ascent on a task constraint): each diff's removal
-    # weight is scaled by exp(-backoff); the backoff rises while the diff's
-    # running task accuracy on the training batches trails the core's by
-    # more than ``task_guard_slack`` and falls (to 0) while it does not.
-    task_guard: bool = False
-    task_guard_slack: float = 0.01
-    task_guard_rate: float = 1.0
-    task_guard_decay: float = 0.9
-    task_guard_max: float = 4.6  # the removal weight never falls below 1 %.
-
-
-def debias_term(
-    model: Any,
-    trainable: Mapping[str, Any],
-    h: jax.Array,
-    labels: jax.Array,
-    attribute: str,
-    *,
-    settings: DebiasSettings,
-    rng: jax.Array,
-    train: bool,
-    task: jax.Array | None = None,
-) -> dict[str, jax.Array]:
-    """The named removal terms for one attribute on representations ``h``.
-
-    ``task`` [B] (the gold task labels) is used by the task-conditional MMD.
-    """
-    if settings.objective == "adversarial":
-        params = trainable["adversaries"][attribute]
-        if settings.adv_loss == "grl":
-            reversed_h = objectives.gradient_reversal(h, settings.adv_lambda)
-            logits = model.adversary_logits(attribute, params, reversed_h, rng, train)
-            return {f"adv/{attribute}": objectives.adversarial_loss(logits, labels)}
-        # Confusion: the adversaries fit the attribute on detached
-        # representations; the encoder (or diff) moves the frozen adversaries'
-        # prediction towards what the task label alone implies.
-        r_fit, r_enc = jax.random.split(rng)
-        fit = model.adversary_logits(
-            attribute, params, jax.lax.stop_gradient(h), r_fit, train
-        )
-        enc = model.adversary_logits(
-            attribute, jax.lax.stop_gradient(params), h, r_enc, train
-        )
-        if task is None or attribute not in settings.attr_prior:
-            n = settings.attr_classes[attribute]
-            target = jnp.full((h.shape[0], n), 1.0 / n, jnp.float32)
-        else:
-            target = jnp.asarray(settings.attr_prior[attribute], jnp.float32)[task]
-        return {
-            f"adv/{attribute}": objectives.adversarial_loss(fit, labels),
-            f"confusion/{attribute}": settings.adv_lambda
-            * objectives.confusion_loss(enc, target),
-        }
-    mode = settings.mmd_conditional_by_attr.get(attribute, settings.mmd_conditional)
-    mode = mode if task is not None else "none"
-    joint = (
-        settings.attr_joint.get(attribute) if mode in ("reweight", "residual") else None
-    )
-    out = {}
-    if settings.mmd_whiten:
-        by_cell = mode != "none" and settings.mmd_whiten_within == "cell"
-        stats = objectives.update_covariance(
-            trainable[MMD_STATS][attribute],
-            h,
-            labels,
-            num_classes=settings.attr_classes[attribute],
-            task=task if by_cell else None,
-            num_task_classes=settings.num_task_classes,
-            decay=settings.mmd_whiten_decay,
-        )
-        h = objectives.whiten(h, stats, shrinkage=settings.mmd_whiten_shrinkage)
-        out[STATE_KEY] = {(MMD_STATS, attribute): stats}
-    value = objectives.mmd_loss(
-        h,
-        labels,
-        num_classes=settings.attr_classes[attribute],
-        task=None if mode == "none" else task,
-        num_task_classes=settings.num_task_classes,
-        joint=None if joint is None else jnp.asarray(joint, jnp.float32),
-        kernel=settings.mmd_kernel,
-        center_task=mode == "residual",
-        whitened=settings.mmd_whiten,
-    )
-    out[f"mmd/{attribute}"] = settings.mmd_weight * value
-    return out
-
-
-def auto_conditioning(joint: Any, batch_size: int) -> str:
-    """``"stratify"`` or ``"reweight"`` for one attribute's [T][C] joint table.
-
-    Stratifying compares the attribute's groups within each task class and
-    skips a class where a group has fewer than 2 members in the batch; when
-    the attribute follows the task closely, the minority cells are that
-    small in most batches, and reweighting (which uses every member) is the
-    estimator with data.
-    """
-    smallest = min(min(row) for row in joint)
-    return "stratify" if batch_size * smallest >= AUTO_MIN_MEMBERS else "reweight"
-
-
-#: Where the whitened MMD keeps each attribute's running covariance in the
-#: trainable tree (not differentiated; updated through :data:`STATE_KEY`).
-MMD_STATS = "mmd_stats"
-
-
-def init_mmd_stats(feature_dim: int, attributes: Sequence[str]) -> dict[str, Any]:
-    """Zero running statistics for :func:`debias_term`'s whitened MMD."""
-    return {a: objectives.init_covariance(feature_dim) for a in attributes}
-
-
-#: Where the task guard keeps its state in the trainable tree: the core's
-#: accuracy on the current batch (written by the task step) and, per
-#: attribute, the running accuracy gap and the removal weight's log backoff.
-TASK_GUARD = "task_guard"
-
-
-def init_task_guard(attributes: Sequence[str]) -> dict[str, Any]:
-    """Zero state for the task guard (every leaf its own buffer: donation)."""
-    return {
-        "core_acc": jnp.zeros((), jnp.float32),
-        "attrs": {
-            a: {
-                "gap": jnp.zeros((), jnp.float32),
-                "backoff": jnp.zeros((), jnp.float32),
-            }
-            for a in attributes
-        },
-    }
-
-
-def _accuracy(logits: jax.Array, task: jax.Array) -> jax.Array:
-    hit = jnp.argmax(logits, -1) == task
-    return jax.lax.stop_gradient(jnp.mean(hit.astype(jnp.float32)))
-
-
-def guard_update(
-    state: Mapping[str, jax.Array],
-    core_acc: jax.Array,
-    diff_acc: jax.Array,
-    settings: DebiasSettings,
-) -> dict[str, jax.Array]:
-    """One dual-ascent step of an attribute's task guard.
-
-    ``gap`` is an EMA of (core accuracy - diff accuracy) on the training
-    batches; ``backoff`` (the log of the factor the removal weight is divided
-    by) moves by ``rate * (gap - slack)`` and stays in ``[0, max]``.
-    """
-    d = settings.task_guard_decay
-    gap = d * state["gap"] + (1.0 - d) * (core_acc - diff_acc)
-    step = settings.task_guard_rate * (gap - settings.task_guard_slack)
-    backoff = jnp.clip(state["backoff"] + step, 0.0, settings.task_guard_max)
-    return {"gap": gap, "backoff": backoff}
-
-
-def _merge_terms(terms: dict[str, Any], new: Mapping[str, Any]) -> None:
-    """``terms.update(new)``, but state updates (:data:`STATE_KEY`) and
-    logged values (:data:`INFO_KEY`) accumulate."""
-    for key, value in new.items():
-        if key in (STATE_KEY, INFO_KEY):
-            terms.setdefault(key, {}).update(value)
-        else:
-            terms[key] = value
-
-
 def subnetwork_params(
     method: MethodDef, trainable: Mapping[str, Any], frozen: Mapping[str, Any]
 ) -> tuple[PyTree, PyTree]:
@@ -548,6 +339,25 @@ def task_loss_value(name: str, logits: jax.Array, batch: Mapping[str, Any]):
     return fn(logits, labels, bias_probs)
 
 
+def _encoder_and_head(
+    method, trainable, frozen, phase, settings, attribute, rng, *, train
+):
+    """The effective encoder (with ``attribute``'s diff, if any) and task head."""
+    if method.encoder in SUBNETWORK_MODES:
+        return subnetwork_params(method, trainable, frozen)
+    params = encoder_params(
+        method,
+        trainable,
+        frozen,
+        phase=phase,
+        settings=settings,
+        attribute=attribute,
+        rng=rng,
+        train=train,
+    )
+    return params, trainable.get("task_head", frozen.get("task_head"))
+
+
 def _task_forward(
     model,
     method,
@@ -567,20 +377,9 @@ def _task_forward(
     ``terms = {"task": loss}``.
     """
     r_diff, r_enc, r_head, r_adv = jax.random.split(rng, 4)
-    if method.encoder in SUBNETWORK_MODES:
-        params, head = subnetwork_params(method, trainable, frozen)
-    else:
-        params = encoder_params(
-            method,
-            trainable,
-            frozen,
-            phase=phase,
-            settings=settings,
-            attribute=attribute,
-            rng=r_diff,
-            train=True,
-        )
-        head = trainable.get("task_head", frozen.get("task_head"))
+    params, head = _encoder_and_head(
+        method, trainable, frozen, phase, settings, attribute, r_diff, train=True
+    )
     terms = {}
     if getattr(model, "stateful", False) and method.encoder == "full":
         # BatchNorm: train-mode batch statistics, and the updated running
@@ -597,17 +396,9 @@ def _task_forward(
 def _core_prediction(model, method, trainable, frozen, batch, *, phase, settings):
     """The task log-probabilities without any attribute diff (no dropout, no
     gradient): what a debias step should keep."""
-    params = encoder_params(
-        method,
-        trainable,
-        frozen,
-        phase=phase,
-        settings=settings,
-        attribute=None,
-        rng=None,
-        train=False,
+    params, head = _encoder_and_head(
+        method, trainable, frozen, phase, settings, None, None, train=False
     )
-    head = trainable.get("task_head", frozen.get("task_head"))
     h = model.represent(params, batch, None, False)
     logits = model.task_logits(head, h, None, False)
     return jax.lax.stop_gradient(jax.nn.log_softmax(logits.astype(jnp.float32), -1))
@@ -619,7 +410,7 @@ def make_task_loss(
     *,
     phase: str,
     diff_settings: DiffSettings | None,
-    debias: DebiasSettings | None,
+    debias: removal.DebiasSettings | None,
     attributes: Sequence[str],
     task_loss: str = "ce",
 ) -> Callable:
@@ -640,7 +431,7 @@ def make_task_loss(
         )
         if method.debias == "joint":
             for i, attr in enumerate(attributes):
-                removal = debias_term(
+                removed = removal.debias_term(
                     model,
                     trainable,
                     h,
@@ -651,16 +442,21 @@ def make_task_loss(
                     train=True,
                     task=batch["task"],
                 )
-                _merge_terms(terms, removal)
+                merge_terms(terms, removed)
         if method.encoder == "diff" and phase == "l0":
             penalty = diffs_lib.l0_penalty(trainable["task_diff"], hc=diff_settings.hc)
             terms["l0/task"] = diff_settings.l0_weight * penalty
         if debias is not None and debias.task_guard and method.debias == "modular":
             acc = _accuracy(logits, batch["task"])
-            _merge_terms(terms, {STATE_KEY: {(TASK_GUARD, "core_acc"): acc}})
-        return _total(terms), terms
+            merge_terms(terms, {STATE_KEY: {(removal.TASK_GUARD, "core_acc"): acc}})
+        return total(terms), terms
 
     return loss
+
+
+def _accuracy(logits: jax.Array, task: jax.Array) -> jax.Array:
+    hit = jnp.argmax(logits, -1) == task
+    return jax.lax.stop_gradient(jnp.mean(hit.astype(jnp.float32)))
 
 
 def _core_accuracy(model, method, trainable, frozen, batch, phase, settings):
@@ -671,35 +467,23 @@ def _core_accuracy(model, method, trainable, frozen, batch, phase, settings):
     return _accuracy(logp, batch["task"])
 
 
-def _guarded(removal, trainable, frozen, batch, logits, attribute, debias, core_acc):
-    """``removal`` scaled by the attribute's task guard, and the guard's update.
+def _guarded(removed, trainable, batch, logits, attribute, debias, core_acc):
+    """``removed`` scaled by the attribute's task guard (see removal.guarded).
 
-    The core's accuracy on the batch is the task step's (the same batch, a
-    step earlier in the same train step) where the core trains; with a frozen
-    core (MoDDiffy-post) ``core_acc()`` computes it.
+    The core's accuracy on the batch is the task step's (the same batch,
+    earlier in the same train step) where the core trains; with a frozen core
+    (MoDDiffy-post) ``core_acc()`` computes it.
     """
-    guard = trainable[TASK_GUARD]
-    state = guard["attrs"][attribute]
-    # A trained core: the task step wrote its accuracy on this batch.
+    guard = trainable[removal.TASK_GUARD]
     reference = guard["core_acc"] if "core" in trainable else core_acc()
-    new = guard_update(state, reference, _accuracy(logits, batch["task"]), debias)
-    scale = jnp.exp(-jax.lax.stop_gradient(state["backoff"]))
-    out = {}
-    for key, value in removal.items():
-        if key == STATE_KEY:
-            out[key] = dict(value)
-        elif key.startswith("adv/") and debias.adv_loss == "confusion":
-            out[key] = value  # the adversaries' own fit is not removal.
-        else:
-            out[key] = scale * value
-    out.setdefault(STATE_KEY, {}).update(
-        {(TASK_GUARD, "attrs", attribute, k): v for k, v in new.items()}
+    return removal.guarded(
+        removed,
+        guard["attrs"][attribute],
+        attribute,
+        core_acc=reference,
+        diff_acc=_accuracy(logits, batch["task"]),
+        settings=debias,
     )
-    out[INFO_KEY] = {
-        "guard/gap": new["gap"],
-        "guard/weight": jnp.exp(-new["backoff"]),
-    }
-    return out
 
 
 def make_debias_loss(
@@ -709,7 +493,7 @@ def make_debias_loss(
     *,
     phase: str,
     diff_settings: DiffSettings,
-    debias: DebiasSettings,
+    debias: removal.DebiasSettings,
     task_loss: str = "ce",
 ) -> Callable:
     """Loss of attribute ``attribute``'s modular debias step.
@@ -744,7 +528,7 @@ def make_debias_loss(
             student = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
             kl = jnp.sum(jnp.exp(teacher) * (teacher - student), -1)
             terms["distill"] = debias.task_distill * jnp.mean(kl)
-        removal = debias_term(
+        removed = removal.debias_term(
             model,
             trainable,
             h,
@@ -756,10 +540,9 @@ def make_debias_loss(
             task=batch["task"],
         )
         if debias.task_guard:
-            removal = _guarded(
-                removal,
+            removed = _guarded(
+                removed,
                 trainable,
-                frozen,
                 batch,
                 logits,
                 attribute,
@@ -768,31 +551,19 @@ def make_debias_loss(
                     model, method, trainable, frozen, batch, phase, diff_settings
                 ),
             )
-        _merge_terms(terms, removal)
+        merge_terms(terms, removed)
         if phase == "l0":
             penalty = diffs_lib.l0_penalty(
                 trainable["diffs"][attribute], hc=diff_settings.hc
             )
             terms[f"l0/{attribute}"] = diff_settings.l0_weight * penalty
-        return _total(terms), terms
+        return total(terms), terms
 
     return loss
 
 
 # --------------------------------------------------------------------------
 # The step factory.
-
-#: A loss may return, under this key of its terms, ``{key: value}`` state that
-#: is not differentiated but replaced after the update (BatchNorm running
-#: statistics: ``{("core", "batch_stats"): new_stats}``).
-STATE_KEY = "_state"
-#: ... and under this key ``{name: value}`` that is logged, not added to the
-#: loss (the task guard's running gap and weight).
-INFO_KEY = "_info"
-
-
-def _total(terms: Mapping[str, Any]) -> jax.Array:
-    return sum(v for k, v in terms.items() if k not in (STATE_KEY, INFO_KEY))
 
 
 def make_train_step(substeps: Sequence[SubStep]) -> Callable:

@@ -1,0 +1,336 @@
+"""How a diff (or a jointly trained encoder) removes an attribute.
+
+* :class:`DebiasSettings`: the removal recipe, read from ``config.method`` by
+  :func:`settings_from_config` (which names every bad value);
+* :func:`debias_term`: the named removal terms for one attribute on a batch
+  of representations (adversaries with gradient reversal or confusion, or a
+  task-conditional, optionally whitened MMD);
+* the task guard (:func:`guard_update`, :func:`guarded`): dual ascent on
+  "the diff keeps the task", which backs the removal weight off while a
+  diff's running accuracy trails the core's.
+
+Pure functions of arrays and settings; the losses in ``methods.common`` call
+them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+
+from moddiffy_jax import objectives
+from moddiffy_jax.methods.terms import INFO_KEY, STATE_KEY
+from moddiffy_jax.objectives import mmd as objectives_mmd
+
+DEBIAS_OBJECTIVES = ("adversarial", "mmd")
+ADV_LOSSES = ("grl", "confusion")
+MMD_CONDITIONS = ("stratify", "reweight", "residual", "auto", "none")
+#: Groups whose pooled scatter the whitened MMD reads (DebiasSettings).
+WHITEN_WITHIN = ("attribute", "cell")
+#: ``mmd_conditional="auto"`` stratifies an attribute when the smallest
+#: (task class, attribute value) cell of the training data is expected to
+#: hold at least this many members per batch, and reweights it otherwise.
+AUTO_MIN_MEMBERS = 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class DebiasSettings:
+    objective: str  # "adversarial" or "mmd"
+    adv_lambda: float
+    mmd_weight: float
+    attr_classes: Mapping[str, int]
+    # MMD: kernel ("gaussian", "linear", "both") and whether the attribute
+    # groups are compared within each task class (then ``num_task_classes``).
+    mmd_kernel: str = "gaussian"
+    mmd_conditional: str = "stratify"  # or "reweight", "none"
+    num_task_classes: int = 0
+    # Adversarial: "grl" (gradient reversal, the paper) or "confusion" (the
+    # encoder matches the adversaries' prediction to ``attr_prior[a][task]``,
+    # the attribute distribution given the task label, [T][C] nested tuples).
+    adv_loss: str = "grl"
+    attr_prior: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Joint distribution of (task, attribute) on train, [T][C] nested tuples.
+    attr_joint: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # MMD in the metric of a running within-group covariance (kept in
+    # ``trainable["mmd_stats"][attribute]``; objectives/mmd.py).
+    mmd_whiten: bool = False
+    # Per-attribute conditioning that overrides ``mmd_conditional`` (what
+    # "auto" resolved to, see :func:`auto_conditioning`).
+    mmd_conditional_by_attr: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    mmd_whiten_decay: float = 0.98
+    mmd_whiten_shrinkage: float = 0.1
+    # The groups whose pooled scatter is whitened: "attribute" (the metric a
+    # fresh probe of the attribute reads: the task's spread counts as
+    # within-group variance) or "cell" ((task, attribute) pairs).
+    mmd_whiten_within: str = "attribute"
+    # Weight of a task-keeping term in the modular debias steps: the KL
+    # divergence from the core's own (undebiased, stop-gradient) task
+    # prediction to the prediction with the diff. 0 = off.
+    task_distill: float = 0.0
+    # Task guard (dual ascent on a task constraint): each diff's removal
+    # weight is scaled by exp(-backoff); the backoff rises while the diff's
+    # running task accuracy on the training batches trails the core's by
+    # more than ``task_guard_slack`` and falls (to 0) while it does not.
+    task_guard: bool = False
+    task_guard_slack: float = 0.01
+    task_guard_rate: float = 1.0
+    task_guard_decay: float = 0.9
+    task_guard_max: float = 4.6  # the removal weight never falls below 1 %.
+
+
+def debias_term(
+    model: Any,
+    trainable: Mapping[str, Any],
+    h: jax.Array,
+    labels: jax.Array,
+    attribute: str,
+    *,
+    settings: DebiasSettings,
+    rng: jax.Array,
+    train: bool,
+    task: jax.Array | None = None,
+) -> dict[str, jax.Array]:
+    """The named removal terms for one attribute on representations ``h``.
+
+    ``task`` [B] (the gold task labels) is used by the task-conditional MMD.
+    """
+    if settings.objective == "adversarial":
+        params = trainable["adversaries"][attribute]
+        if settings.adv_loss == "grl":
+            reversed_h = objectives.gradient_reversal(h, settings.adv_lambda)
+            logits = model.adversary_logits(attribute, params, reversed_h, rng, train)
+            return {f"adv/{attribute}": objectives.adversarial_loss(logits, labels)}
+        # Confusion: the adversaries fit the attribute on detached
+        # representations; the encoder (or diff) moves the frozen adversaries'
+        # prediction towards what the task label alone implies.
+        r_fit, r_enc = jax.random.split(rng)
+        fit = model.adversary_logits(
+            attribute, params, jax.lax.stop_gradient(h), r_fit, train
+        )
+        enc = model.adversary_logits(
+            attribute, jax.lax.stop_gradient(params), h, r_enc, train
+        )
+        if task is None or attribute not in settings.attr_prior:
+            n = settings.attr_classes[attribute]
+            target = jnp.full((h.shape[0], n), 1.0 / n, jnp.float32)
+        else:
+            target = jnp.asarray(settings.attr_prior[attribute], jnp.float32)[task]
+        return {
+            f"adv/{attribute}": objectives.adversarial_loss(fit, labels),
+            f"confusion/{attribute}": settings.adv_lambda
+            * objectives.confusion_loss(enc, target),
+        }
+    mode = settings.mmd_conditional_by_attr.get(attribute, settings.mmd_conditional)
+    mode = mode if task is not None else "none"
+    joint = (
+        settings.attr_joint.get(attribute) if mode in ("reweight", "residual") else None
+    )
+    out = {}
+    if settings.mmd_whiten:
+        by_cell = mode != "none" and settings.mmd_whiten_within == "cell"
+        stats = objectives.update_covariance(
+            trainable[MMD_STATS][attribute],
+            h,
+            labels,
+            num_classes=settings.attr_classes[attribute],
+            task=task if by_cell else None,
+            num_task_classes=settings.num_task_classes,
+            decay=settings.mmd_whiten_decay,
+        )
+        h = objectives.whiten(h, stats, shrinkage=settings.mmd_whiten_shrinkage)
+        out[STATE_KEY] = {(MMD_STATS, attribute): stats}
+    value = objectives.mmd_loss(
+        h,
+        labels,
+        num_classes=settings.attr_classes[attribute],
+        task=None if mode == "none" else task,
+        num_task_classes=settings.num_task_classes,
+        joint=None if joint is None else jnp.asarray(joint, jnp.float32),
+        kernel=settings.mmd_kernel,
+        center_task=mode == "residual",
+        whitened=settings.mmd_whiten,
+    )
+    out[f"mmd/{attribute}"] = settings.mmd_weight * value
+    return out
+
+
+def auto_conditioning(joint: Any, batch_size: int) -> str:
+    """``"stratify"`` or ``"reweight"`` for one attribute's [T][C] joint table.
+
+    Stratifying compares the attribute's groups within each task class and
+    skips a class where a group has fewer than 2 members in the batch; when
+    the attribute follows the task closely, the minority cells are that
+    small in most batches, and reweighting (which uses every member) is the
+    estimator with data.
+    """
+    smallest = min(min(row) for row in joint)
+    return "stratify" if batch_size * smallest >= AUTO_MIN_MEMBERS else "reweight"
+
+
+#: Where the whitened MMD keeps each attribute's running covariance in the
+#: trainable tree (not differentiated; updated through :data:`STATE_KEY`).
+MMD_STATS = "mmd_stats"
+
+
+def init_mmd_stats(feature_dim: int, attributes: Sequence[str]) -> dict[str, Any]:
+    """Zero running statistics for :func:`debias_term`'s whitened MMD."""
+    return {a: objectives.init_covariance(feature_dim) for a in attributes}
+
+
+#: Where the task guard keeps its state in the trainable tree: the core's
+#: accuracy on the current batch (written by the task step) and, per
+#: attribute, the running accuracy gap and the removal weight's log backoff.
+TASK_GUARD = "task_guard"
+
+
+def init_task_guard(attributes: Sequence[str]) -> dict[str, Any]:
+    """Zero state for the task guard (every leaf its own buffer: donation)."""
+    return {
+        "core_acc": jnp.zeros((), jnp.float32),
+        "attrs": {
+            a: {
+                "gap": jnp.zeros((), jnp.float32),
+                "backoff": jnp.zeros((), jnp.float32),
+            }
+            for a in attributes
+        },
+    }
+
+
+def guard_update(
+    state: Mapping[str, jax.Array],
+    core_acc: jax.Array,
+    diff_acc: jax.Array,
+    settings: DebiasSettings,
+) -> dict[str, jax.Array]:
+    """One dual-ascent step of an attribute's task guard.
+
+    ``gap`` is an EMA of (core accuracy - diff accuracy) on the training
+    batches; ``backoff`` (the log of the factor the removal weight is divided
+    by) moves by ``rate * (gap - slack)`` and stays in ``[0, max]``.
+    """
+    d = settings.task_guard_decay
+    gap = d * state["gap"] + (1.0 - d) * (core_acc - diff_acc)
+    step = settings.task_guard_rate * (gap - settings.task_guard_slack)
+    backoff = jnp.clip(state["backoff"] + step, 0.0, settings.task_guard_max)
+    return {"gap": gap, "backoff": backoff}
+
+
+def guarded(
+    removed: Mapping[str, Any],
+    state: Mapping[str, jax.Array],
+    attribute: str,
+    *,
+    core_acc: jax.Array,
+    diff_acc: jax.Array,
+    settings: DebiasSettings,
+) -> dict[str, Any]:
+    """``removed`` (an attribute's removal terms) scaled by ``exp(-backoff)``
+    of the guard's ``state`` before this step, with the guard's update (under
+    :data:`STATE_KEY`) and its running gap and weight (under :data:`INFO_KEY`).
+    The adversaries' own fit under ``adv_loss="confusion"`` is not removal and
+    is not scaled."""
+    new = guard_update(state, core_acc, diff_acc, settings)
+    scale = jnp.exp(-jax.lax.stop_gradient(state["backoff"]))
+    out = {}
+    for key, value in removed.items():
+        if key == STATE_KEY:
+            out[key] = dict(value)
+        elif key.startswith("adv/") and settings.adv_loss == "confusion":
+            out[key] = value
+        else:
+            out[key] = scale * value
+    out.setdefault(STATE_KEY, {}).update(
+        {(TASK_GUARD, "attrs", attribute, k): v for k, v in new.items()}
+    )
+    out[INFO_KEY] = {"guard/gap": new["gap"], "guard/weight": jnp.exp(-new["backoff"])}
+    return out
+
+
+#: Removal settings added after the first runs, with the behaviour a run
+#: whose config.json lacks them was trained with.
+_LATER_FIELDS = (
+    ("adv_loss", "grl"),
+    ("mmd_kernel", "gaussian"),
+    ("mmd_conditional", "none"),
+    ("mmd_whiten", False),
+    ("mmd_whiten_decay", 0.98),
+    ("mmd_whiten_shrinkage", 0.1),
+    ("mmd_whiten_within", "cell"),
+    ("task_distill", 0.0),
+    ("task_guard", False),
+    ("task_guard_slack", 0.01),
+    ("task_guard_rate", 1.0),
+    ("task_guard_decay", 0.9),
+)
+
+
+def settings_from_config(
+    method: Any,
+    *,
+    attr_classes: Mapping[str, int],
+    attr_prior: Mapping[str, Any],
+    attr_joint: Mapping[str, Any],
+    num_task_classes: int,
+    batch_size: int,
+) -> DebiasSettings:
+    """The :class:`DebiasSettings` of ``config.method``; a bad value raises a
+    ``ValueError`` that names the field, the value and what is allowed.
+
+    ``attr_prior`` and ``attr_joint`` are the train split's P(a | y) and
+    P(y, a) tables ([T][C] nested tuples per attribute).
+    """
+    if method.objective not in DEBIAS_OBJECTIVES:
+        raise ValueError(
+            f"config.method.objective={method.objective!r} is not one of "
+            f"{DEBIAS_OBJECTIVES}."
+        )
+    fields = {key: method.get(key, old) for key, old in _LATER_FIELDS}
+    for key, valid in (
+        ("adv_loss", ADV_LOSSES),
+        ("mmd_kernel", objectives_mmd.KERNELS),
+        ("mmd_conditional", MMD_CONDITIONS),
+        ("mmd_whiten_within", WHITEN_WITHIN),
+    ):
+        if fields[key] not in valid:
+            raise ValueError(
+                f"config.method.{key}={fields[key]!r} is not one of {valid}."
+            )
+    for key, low, high, meaning in (
+        ("task_distill", 0.0, float("inf"), "0 turns the task-keeping term off"),
+        ("mmd_whiten_decay", 0.0, 1.0, "the running covariance's EMA decay"),
+        ("task_guard_slack", -1.0, 1.0, "an accuracy difference"),
+        ("task_guard_rate", 0.0, float("inf"), "the dual step size"),
+        ("task_guard_decay", 0.0, 1.0, "the running gap's EMA decay"),
+    ):
+        if not low <= fields[key] < high:
+            raise ValueError(
+                f"config.method.{key} must be in [{low}, {high}) ({meaning}), "
+                f"got {fields[key]}."
+            )
+    if fields["mmd_whiten_shrinkage"] <= 0.0:
+        raise ValueError(
+            "config.method.mmd_whiten_shrinkage must be > 0 (the ridge that "
+            "keeps the running covariance invertible), got "
+            f"{fields['mmd_whiten_shrinkage']}."
+        )
+    by_attr = {}
+    if fields["mmd_conditional"] == "auto":
+        by_attr = {a: auto_conditioning(attr_joint[a], batch_size) for a in attr_joint}
+        logging.info("mmd_conditional=auto resolved to %s", by_attr)
+    return DebiasSettings(
+        objective=method.objective,
+        adv_lambda=method.adv_lambda,
+        mmd_weight=method.mmd_weight,
+        attr_classes=attr_classes,
+        attr_prior=attr_prior,
+        attr_joint=attr_joint,
+        mmd_conditional_by_attr=by_attr,
+        num_task_classes=num_task_classes,
+        **fields,
+    )
