@@ -1072,7 +1072,8 @@ def _evaluate_during(ctx, evaluator, writer, trainable, frozen, phase, step) -> 
 
 def _fresh_probes(ctx, params_by_row) -> dict[str, float]:
     """Dev leakage of fresh linear probes for the core and each single diff."""
-    from moddiffy_jax.eval import composition, removal
+    from moddiffy_jax.eval import composition
+    from moddiffy_jax.eval import removal as leakage
 
     rep = composition.Representer(ctx, ctx.config.eval.batch_size)
     out = {}
@@ -1085,7 +1086,7 @@ def _fresh_probes(ctx, params_by_row) -> dict[str, float]:
             continue
         reps = {s: rep.represent(params, s) for s in ("train", "dev")}
         for a in ctx.attributes:
-            out[f"probe/{label}/{a}/linear_dev_bacc"] = removal.fresh_linear_leakage(
+            out[f"probe/{label}/{a}/linear_dev_bacc"] = leakage.fresh_linear_leakage(
                 reps,
                 labels[a],
                 num_classes=len(ctx.data.attr_classes[a]),

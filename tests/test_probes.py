@@ -237,3 +237,32 @@ def test_logistic_regression_reaches_the_optimum():
     resid = (prob - np.eye(2)[y]) / len(y)
     np.testing.assert_allclose(x.T @ resid + l2 * kernel, 0.0, atol=1e-4)
     np.testing.assert_allclose(resid.sum(0), 0.0, atol=1e-4)
+
+
+def test_probes_do_not_read_a_shrunk_representation_as_removal():
+    """Shrinking the representation 100-fold leaves both probes' leakage
+    where it was (standardized inputs); read raw, the L2 penalty then wipes
+    out the linear probe. The linear probe's kernel and bias stay in the raw
+    coordinates."""
+    data = _splits(0.6, 11)
+    shrunk = [x * 0.01 if x.ndim == 2 else x for x in data]
+    full = probes.linear_probe(*data, num_classes=2, l2=0.1)
+    small = probes.linear_probe(*shrunk, num_classes=2, l2=0.1)
+    assert full.test_balanced_accuracy > 0.65
+    assert small.test_balanced_accuracy == pytest.approx(
+        full.test_balanced_accuracy, abs=0.01
+    )
+    raw = probes.linear_probe(*shrunk, num_classes=2, l2=0.1, standardize=False)
+    assert raw.test_balanced_accuracy < full.test_balanced_accuracy - 0.05
+    test_h, test_y = shrunk[4], shrunk[5]
+    pred = np.argmax(test_h @ small.kernel + small.bias, -1)
+    assert np.mean(pred == test_y) == pytest.approx(small.test_accuracy)
+    ensemble = [
+        probes.train_probe_ensemble(*d, num_classes=2, config=CONFIG)
+        for d in (data, shrunk)
+    ]
+    np.testing.assert_allclose(
+        ensemble[1].test_balanced_accuracy,
+        ensemble[0].test_balanced_accuracy,
+        atol=0.02,
+    )

@@ -69,6 +69,7 @@ __all__ = [
     "fit_logistic_regression",
     "linear_probe",
     "select_best_epoch",
+    "standardizer",
     "train_probe_ensemble",
 ]
 
@@ -90,6 +91,10 @@ class ProbeConfig:
       seeds: One independent run (init, dropout, shuffling) per seed.
       class_weighted: Weight the loss by ``N / (C * n_c)`` (train counts).
       eval_batch_size: Chunk size for dev/test evaluation inside the program.
+      standardize: Probe the representations standardized with the train
+        split's per-feature mean and standard deviation (see
+        :func:`standardizer`); off = the raw representations, as the
+        reference's attacker reads them.
     """
 
     members: int = 5
@@ -103,6 +108,7 @@ class ProbeConfig:
     seeds: tuple[int, ...] = (0, 1, 2)
     class_weighted: bool = False
     eval_batch_size: int = 1024
+    standardize: bool = True
 
     def __post_init__(self):
         if self.members < 1 or self.batch_size < 1 or self.max_epochs < 1:
@@ -279,6 +285,30 @@ def _check_splits(splits: dict, num_classes: int) -> tuple[dict, list[str]]:
         if k != "train" and np.unique(y).size < 2:
             notes.append(f"{k} balanced_accuracy undefined: one class in {k} split.")
     return checked, notes
+
+
+def standardizer(train_h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(mean, scale)`` of the train representations, per feature.
+
+    A probe reads ``(h - mean) / scale``, so its leakage does not depend on
+    the representation's scale: a diff that shrinks the representation
+    (the L2 penalty and the fixed learning rate then act as a far stronger
+    regulariser) does not look like removal. Features that are constant on
+    train get scale 1.
+    """
+    mean = train_h.mean(0)
+    scale = train_h.std(0)
+    tiny = scale <= 1e-6 * max(float(scale.max()), 1e-30)
+    return mean.astype(np.float32), np.where(tiny, 1.0, scale).astype(np.float32)
+
+
+def _standardized(splits: dict, enabled: bool) -> tuple[dict, np.ndarray, np.ndarray]:
+    width = splits["train"][0].shape[1]
+    if not enabled:
+        return splits, np.zeros(width, np.float32), np.ones(width, np.float32)
+    mean, scale = standardizer(splits["train"][0])
+    out = {k: ((h - mean) / scale, y) for k, (h, y) in splits.items()}
+    return out, mean, scale
 
 
 def _class_weights(y: np.ndarray, num_classes: int, enabled: bool) -> np.ndarray:
@@ -530,6 +560,7 @@ def train_probe_ensemble(
         {"train": (train_h, train_y), "dev": (dev_h, dev_y), "test": (test_h, test_y)},
         num_classes,
     )
+    splits, _, _ = _standardized(splits, config.standardize)
     class_w = _class_weights(splits["train"][1], num_classes, config.class_weighted)
     data: dict[str, Any] = {
         "train_h": splits["train"][0],
@@ -720,6 +751,7 @@ def linear_probe(
     max_steps: int = 500,
     tol: float = 1e-5,
     class_weighted: bool = False,
+    standardize: bool = True,
 ) -> LinearProbeResult:
     """Linear (logistic-regression) probe; see :func:`fit_logistic_regression`.
 
@@ -735,6 +767,9 @@ def linear_probe(
       max_steps: L-BFGS iteration cap.
       tol: Gradient-norm tolerance.
       class_weighted: Weight the loss by ``N / (C * n_c)``.
+      standardize: Fit on the representations standardized with the train
+        split's statistics (:func:`standardizer`); ``kernel`` and ``bias``
+        of the result are in the raw coordinates either way.
 
     Returns:
       A :class:`LinearProbeResult`.
@@ -747,6 +782,7 @@ def linear_probe(
         {"train": (train_h, train_y), "dev": (dev_h, dev_y), "test": (test_h, test_y)},
         num_classes,
     )
+    splits, mean, scale = _standardized(splits, standardize)
     kernel, bias, steps, converged = fit_logistic_regression(
         *splits["train"],
         num_classes=num_classes,
@@ -765,6 +801,9 @@ def linear_probe(
             y, pred, num_classes
         )
         scores[f"{split}_accuracy"] = metrics.accuracy(y, pred)
+    # Back to the raw representations' coordinates: h @ K' + b'.
+    kernel = kernel / scale[:, None]
+    bias = bias - mean @ kernel
     return LinearProbeResult(
         **scores,
         kernel=kernel,
