@@ -334,3 +334,25 @@ def test_whitened_mmd_is_not_lowered_by_shrinking_the_representation(kernel):
 
     assert value(h) > 0.05
     np.testing.assert_allclose(value(0.05 * h), value(h), rtol=1e-3)
+
+
+def test_the_scale_is_read_from_the_directions_the_statistics_have_seen():
+    """A young covariance (one batch of 8 rows in 16 dimensions) has seen at
+    most 8 directions: ``whiten(..., return_seen=True)`` marks those, and the
+    kernels' scale comes from them, not from the null space's noise."""
+    rng = np.random.default_rng(7)
+    h = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)
+    labels = jnp.asarray(np.arange(8) % 2)
+    stats = objectives.update_covariance(
+        objectives.init_covariance(16), h, labels, num_classes=2
+    )
+    white, seen = objectives.whiten(h, stats, return_seen=True)
+    assert white.shape == h.shape and seen.shape == (16,)
+    assert 1 <= float(seen.sum()) <= 8
+    assert np.all(np.asarray(seen)[-int(seen.sum()) :] == 1)  # the top eigenvalues
+    fresh = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)
+    white_fresh = objectives.whiten(fresh, stats)
+    value = objectives.mmd_loss(
+        white_fresh, labels, num_classes=2, kernel="linear", whitened=True, seen=seen
+    )
+    assert np.isfinite(float(value))

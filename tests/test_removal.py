@@ -13,12 +13,18 @@ held-out data with the diff than without it, with the task kept. A change
 that breaks removal (the objective, the gradual pruning, the cut, the
 fixmask phase) fails here.
 
+Expected to fail for now (strict xfail): under a probe of the standardized
+representations the default diff does not remove the planted signal
+(docs/efficacy.md, "Stop 12"). The assertions stay as they are; the day a
+change makes them hold, the strict marker fails CI and must be removed.
+
 The adversarial objective is not asserted: under fresh probes it removes
 nothing on MiniLM either (docs/efficacy.md), so a test that it does would be
 false.
 """
 
 import numpy as np
+import pytest
 
 from moddiffy_jax import checkpoints, train
 from moddiffy_jax.config_lib import experiment_config
@@ -60,6 +66,16 @@ def _plant_gender(core_dir):
     checkpoints.save_params(path, core, metadata=meta, overwrite=True)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "issue 11, open: with probes of the standardized representations "
+        "(stop 12) the default diff closes 0.22 of the planted gap here "
+        "(weight 30: 0.46, weight 100: 0.05); the earlier pass read a shrunk "
+        "representation as removal. Strict: a change that makes it pass "
+        "fails CI until this marker is removed."
+    ),
+)
 def test_diff_removes_planted_attribute(tmp_path):
     core_cfg = experiment_config("finetune", "model=tiny")
     core_cfg.unlock()

@@ -131,6 +131,7 @@ def debias_term(
         settings.attr_joint.get(attribute) if mode in ("reweight", "residual") else None
     )
     out = {}
+    seen = None
     if settings.mmd_whiten:
         by_cell = mode != "none" and settings.mmd_whiten_within == "cell"
         stats = objectives.update_covariance(
@@ -142,7 +143,9 @@ def debias_term(
             num_task_classes=settings.num_task_classes,
             decay=settings.mmd_whiten_decay,
         )
-        h = objectives.whiten(h, stats, shrinkage=settings.mmd_whiten_shrinkage)
+        h, seen = objectives.whiten(
+            h, stats, shrinkage=settings.mmd_whiten_shrinkage, return_seen=True
+        )
         out[STATE_KEY] = {(MMD_STATS, attribute): stats}
     value = objectives.mmd_loss(
         h,
@@ -154,6 +157,7 @@ def debias_term(
         kernel=settings.mmd_kernel,
         center_task=mode == "residual",
         whitened=settings.mmd_whiten,
+        seen=seen,
     )
     out[f"mmd/{attribute}"] = settings.mmd_weight * value
     return out

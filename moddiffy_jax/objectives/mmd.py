@@ -62,6 +62,7 @@ def kernel_matrix(
     kernel: str = "gaussian",
     exponents=DEFAULT_BANDWIDTH_EXPONENTS,
     whitened: bool = False,
+    seen: jax.Array | None = None,
 ) -> jax.Array:
     """Scale-invariant kernel matrix of the rows of ``h`` [B, D] -> [B, B].
 
@@ -82,6 +83,10 @@ def kernel_matrix(
         representation, which the lagging statistics read as removal
         (measured on MiniLM: the age diff cut the representation's spread
         24-fold and kept its task accuracy, at a task loss near ln 2).
+      seen: optional [D] 0/1 mask of the whitened coordinates whose variance
+        sets the scale (from ``whiten(..., return_seen=True)``): a young
+        running covariance has seen few directions, and the median over the
+        rest would be the noise of its null space.
     """
     if kernel not in KERNELS:
         raise ValueError(f"Unknown MMD kernel {kernel!r}; valid: {KERNELS}.")
@@ -98,7 +103,9 @@ def kernel_matrix(
         # the whole representation (the statistics lag behind) changes
         # nothing, and inflating a few directions does not move it.
         coord_var = jnp.sum(centered * centered, 0) / (n - 1.0)
-        scale = jnp.maximum(jnp.median(coord_var), 1e-12)
+        if seen is not None:  # only the directions the statistics have seen.
+            coord_var = jnp.where(seen > 0, coord_var, jnp.nan)
+        scale = jnp.maximum(jnp.nanmedian(coord_var), 1e-12)
     out = 0.0
     if kernel in ("gaussian", "both"):
         d2 = _sq_distances(h)
@@ -158,6 +165,7 @@ def mmd_loss(
     exponents=DEFAULT_BANDWIDTH_EXPONENTS,
     center_task: bool = False,
     whitened: bool = False,
+    seen: jax.Array | None = None,
 ) -> jax.Array:
     """Unbiased, optionally task-conditional, one-vs-rest MMD^2 of an attribute.
 
@@ -185,6 +193,7 @@ def mmd_loss(
         the sampling noise of a few heavily weighted members is largest, and
         shrinking that distance (losing the task) then lowers the estimate.
       whitened: ``h`` comes from :func:`whiten` (see :func:`kernel_matrix`).
+      seen: see :func:`kernel_matrix`.
 
     Returns:
       A scalar: the mean over the valid (task class, one-vs-rest split) pairs,
@@ -196,7 +205,9 @@ def mmd_loss(
         if task is None or num_task_classes < 1:
             raise ValueError("center_task needs task labels and num_task_classes.")
         h, _ = _centre_in_groups(h, task, num_task_classes, w)
-    k = kernel_matrix(h, weights, kernel=kernel, exponents=exponents, whitened=whitened)
+    k = kernel_matrix(
+        h, weights, kernel=kernel, exponents=exponents, whitened=whitened, seen=seen
+    )
     if task is not None and joint is not None:
         joint = jnp.asarray(joint, jnp.float32)
         p_a = jnp.sum(joint, 0)
@@ -341,8 +352,12 @@ def effective_rows(stats: dict[str, jax.Array]) -> jax.Array:
 
 
 def whiten(
-    h: jax.Array, stats: dict[str, jax.Array], *, shrinkage: float = 0.1
-) -> jax.Array:
+    h: jax.Array,
+    stats: dict[str, jax.Array],
+    *,
+    shrinkage: float = 0.1,
+    return_seen: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``h`` in the metric of the running covariance: ``(h V) (L + r)^-1/2``.
 
     ``V L V^T = C`` is the bias-corrected running covariance's
@@ -362,6 +377,9 @@ def whiten(
       diff that follows it loses the task). Statistics without the counters
       (written by hand) use all ``D``.
 
+    With ``return_seen``, also the [D] 0/1 mask of those ``k`` coordinates
+    (the kernels' scale is read from them, :func:`kernel_matrix`).
+
     The whitening matrix is not differentiated (the representation cannot
     move it). Before any statistics exist (weight 0), ``h`` is returned
     unchanged.
@@ -378,4 +396,7 @@ def whiten(
     geo_mean = jnp.exp(jnp.sum(top * jnp.log(eigval + floor)) / jnp.sum(top))
     ridge = shrinkage * geo_mean + 1e-6
     white = (h @ eigvec) * jax.lax.rsqrt(eigval + ridge)
-    return jnp.where(weight > 0.0, white, h)
+    white = jnp.where(weight > 0.0, white, h)
+    if return_seen:
+        return white, jnp.where(weight > 0.0, top, jnp.ones_like(top))
+    return white
