@@ -10,14 +10,14 @@ Arguments after ":" are comma-separated key=value pairs: data=synthetic|dwmw17
 ../shared/data/dwmw17_dialect by path), model=minilm|tiny,
 objective=mmd|adversarial (default mmd). Any field can be overridden with
 --config.<field>=<value>; the config is locked, so a misspelled field fails.
-Measured (2-core CPU, 2026-11-23, default recipe: whitened linear + Gaussian
-task-conditional MMD, gradual pruning; BENCHMARKS.md, docs/efficacy.md),
-synthetic, 3 training seeds: test accuracy core 0.932 ± 0.003, core+gender
-0.913 ± 0.001, core+age 0.893 ± 0.017; gender leakage (paper's attacker)
-0.978 -> 0.879 (floor 0.912), age 0.963 -> 0.718 (floor 0.744); 10 min on
-an idle machine (seed 0). dwmw17, seed 0: test accuracy 0.915 -> 0.888,
-dialect leakage 0.939 -> 0.794 (the floor; linear 0.963 -> 0.843), RMS TPR
-gap 0.353 -> 0.143.
+Measured (2-core CPU, 2026-11-23, stop 12, seed 0, probes of the
+standardized representations; BENCHMARKS.md, docs/efficacy.md): test
+accuracy core 0.926, core+gender 0.920, core+age 0.922, both 0.914; the
+paper's attacker reads gender 0.982 -> 0.939 (floor 0.912) and age
+0.964 -> 0.779 (floor 0.744), but a linear probe reads gender 0.964 -> 0.952
+and age 0.952 -> 0.936: the diffs do not yet remove what a linear probe
+sees. (The stop-11 numbers that stood here were a probe artifact: the
+diffs shrank the representation.)
 """
 
 from moddiffy_jax.config_lib import experiment_config
