@@ -27,7 +27,8 @@ import dataclasses
 import numpy as np
 
 from moddiffy_jax.eval import metrics
-from moddiffy_jax.eval.probes import _check_splits, fit_logistic_regression
+from moddiffy_jax.eval.probe_inputs import check_splits
+from moddiffy_jax.eval.probes import fit_logistic_regression
 
 __all__ = ["INLPResult", "apply_projection", "fit_inlp", "nullspace_projection"]
 
@@ -129,7 +130,7 @@ def fit_inlp(
     """
     if n_iterations < 1:
         raise ValueError(f"n_iterations must be >= 1, got {n_iterations}.")
-    splits, _ = _check_splits(
+    splits, _ = check_splits(
         {"train": (train_h, train_y), "dev": (dev_h, dev_y)}, num_classes
     )
     (x_train, y_train), (x_dev, y_dev) = splits["train"], splits["dev"]

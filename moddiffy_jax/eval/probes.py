@@ -58,7 +58,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from moddiffy_jax.eval import metrics
+from moddiffy_jax.eval import metrics, probe_inputs
+from moddiffy_jax.eval.probe_inputs import standardizer
 from moddiffy_jax.models.heads import ClassifierHead
 from moddiffy_jax.objectives.classification import cross_entropy, majority_vote
 
@@ -241,98 +242,6 @@ def select_best_epoch(dev_losses, *, patience: int | None) -> tuple[int, int]:
 
 def _nan_to_inf(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x), np.inf, x)
-
-
-# --------------------------------------------------------------------------
-# Input checks.
-
-
-def _check_split(h, y, num_classes: int, name: str) -> tuple[np.ndarray, np.ndarray]:
-    h = np.asarray(h)
-    y = np.asarray(y)
-    if h.ndim != 2 or y.ndim != 1:
-        raise ValueError(
-            f"{name}: h must be [N, H] and y [N], got {h.shape}, {y.shape}."
-        )
-    if h.shape[0] != y.shape[0]:
-        raise ValueError(f"{name}: h has {h.shape[0]} rows but y has {y.shape[0]}.")
-    if h.shape[0] == 0:
-        raise ValueError(f"{name} split is empty.")
-    if not np.issubdtype(y.dtype, np.integer):
-        raise ValueError(f"{name}: labels must be integers, got {y.dtype}.")
-    if y.min() < 0 or y.max() >= num_classes:
-        raise ValueError(f"{name}: labels outside [0, {num_classes}).")
-    if not np.all(np.isfinite(h)):
-        raise ValueError(f"{name}: representations contain NaN or inf.")
-    return h.astype(np.float32), y.astype(np.int32)
-
-
-def _check_splits(splits: dict, num_classes: int) -> tuple[dict, list[str]]:
-    if num_classes < 2:
-        raise ValueError(f"num_classes must be >= 2, got {num_classes}.")
-    checked = {k: _check_split(*v, num_classes, k) for k, v in splits.items()}
-    widths = {h.shape[1] for h, _ in checked.values()}
-    if len(widths) != 1:
-        raise ValueError(f"Splits differ in feature width: {widths}.")
-    n_train_classes = np.unique(checked["train"][1]).size
-    if n_train_classes < 2:
-        raise ValueError(
-            "train split has a single class: a probe cannot be trained and "
-            "balanced accuracy is undefined."
-        )
-    notes = []
-    for k, (_, y) in checked.items():
-        if k != "train" and np.unique(y).size < 2:
-            notes.append(f"{k} balanced_accuracy undefined: one class in {k} split.")
-    return checked, notes
-
-
-def standardizer(train_h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(mean, scale)`` of the train representations, per feature.
-
-    A probe reads ``(h - mean) / scale``, so its leakage does not depend on
-    the representation's scale: a diff that shrinks the representation
-    (the L2 penalty and the fixed learning rate then act as a far stronger
-    regulariser) does not look like removal. Features that are constant on
-    train get scale 1.
-    """
-    mean = train_h.mean(0)
-    scale = train_h.std(0)
-    tiny = scale <= 1e-6 * max(float(scale.max()), 1e-30)
-    return mean.astype(np.float32), np.where(tiny, 1.0, scale).astype(np.float32)
-
-
-def _standardized(splits: dict, enabled: bool) -> tuple[dict, np.ndarray, np.ndarray]:
-    width = splits["train"][0].shape[1]
-    if not enabled:
-        return splits, np.zeros(width, np.float32), np.ones(width, np.float32)
-    mean, scale = standardizer(splits["train"][0])
-    out = {k: ((h - mean) / scale, y) for k, (h, y) in splits.items()}
-    return out, mean, scale
-
-
-def _class_weights(y: np.ndarray, num_classes: int, enabled: bool) -> np.ndarray:
-    """``N / (C * n_c)`` (sklearn "balanced"); 1 everywhere when disabled."""
-    if not enabled:
-        return np.ones(num_classes, np.float32)
-    counts = np.bincount(y, minlength=num_classes).astype(np.float64)
-    weights = y.size / (num_classes * np.maximum(counts, 1))
-    return weights.astype(np.float32)
-
-
-def _pad_to_chunks(h: np.ndarray, y: np.ndarray, chunk: int):
-    """[N, H], [N] -> [n, chunk, H], [n, chunk], mask [n, chunk]."""
-    chunk = min(chunk, h.shape[0])
-    n = -(-h.shape[0] // chunk)
-    pad = n * chunk - h.shape[0]
-    mask = np.concatenate([np.ones(h.shape[0], bool), np.zeros(pad, bool)])
-    h = np.concatenate([h, np.zeros((pad, h.shape[1]), h.dtype)])
-    y = np.concatenate([y, np.zeros(pad, y.dtype)])
-    return (
-        h.reshape(n, chunk, -1),
-        y.reshape(n, chunk),
-        mask.reshape(n, chunk),
-    )
 
 
 # --------------------------------------------------------------------------
@@ -556,19 +465,21 @@ def train_probe_ensemble(
       ValueError: On malformed inputs, empty splits, or a train split with a
         single class.
     """
-    splits, notes = _check_splits(
+    splits, notes = probe_inputs.check_splits(
         {"train": (train_h, train_y), "dev": (dev_h, dev_y), "test": (test_h, test_y)},
         num_classes,
     )
-    splits, _, _ = _standardized(splits, config.standardize)
-    class_w = _class_weights(splits["train"][1], num_classes, config.class_weighted)
+    splits, _, _ = probe_inputs.standardized(splits, config.standardize)
+    class_w = probe_inputs.class_weights(
+        splits["train"][1], num_classes, config.class_weighted
+    )
     data: dict[str, Any] = {
         "train_h": splits["train"][0],
         "train_y": splits["train"][1],
         "class_w": class_w,
     }
     for split in ("dev", "test"):
-        h, y, mask = _pad_to_chunks(*splits[split], config.eval_batch_size)
+        h, y, mask = probe_inputs.pad_to_chunks(*splits[split], config.eval_batch_size)
         data.update({f"{split}_h": h, f"{split}_y": y, f"{split}_mask": mask})
     static = dataclasses.replace(config, seeds=(0,), patience=None)
     seeds = np.asarray(config.seeds, np.int32)
@@ -724,8 +635,8 @@ def fit_logistic_regression(
     Returns:
       ``(kernel [H, C], bias [C], num_steps, converged)``.
     """
-    h, y = _check_split(h, y, num_classes, "train")
-    class_w = _class_weights(y, num_classes, class_weighted)
+    h, y = probe_inputs.check_split(h, y, num_classes, "train")
+    class_w = probe_inputs.class_weights(y, num_classes, class_weighted)
     params, steps, grad_norm = _fit_lbfgs(
         h, y, class_w, l2, tol, num_classes=num_classes, max_steps=max_steps
     )
@@ -778,11 +689,11 @@ def linear_probe(
       ValueError: On malformed inputs, empty splits, or a single-class train
         split. A single-class dev/test split gives ``NaN`` and a note.
     """
-    splits, notes = _check_splits(
+    splits, notes = probe_inputs.check_splits(
         {"train": (train_h, train_y), "dev": (dev_h, dev_y), "test": (test_h, test_y)},
         num_classes,
     )
-    splits, mean, scale = _standardized(splits, standardize)
+    splits, mean, scale = probe_inputs.standardized(splits, standardize)
     kernel, bias, steps, converged = fit_logistic_regression(
         *splits["train"],
         num_classes=num_classes,
