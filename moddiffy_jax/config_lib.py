@@ -107,6 +107,16 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # Whose scatter: "attribute" (the groups a probe of the attribute tells
     # apart; the task's spread counts) or "cell" ((task, attribute) pairs).
     c.method.mmd_whiten_within = "attribute"
+    # Running linear erasure (objectives/erasure.py): the whitened distance
+    # of the attribute groups' means, read along a running average of where
+    # they differ (a per-batch estimate is mostly sampling noise). Weight
+    # (0 = off) and the running average's decay.
+    c.method.fisher_weight = 0.0
+    c.method.fisher_decay = 0.95
+    # The removal terms ramp linearly from 0 to full weight over the first
+    # steps (the running statistics are collected from step 0): in
+    # MoDDiffy-par the core learns the task meanwhile. 0 = full from step 0.
+    c.method.removal_warmup_steps = 0
     # Modular debias steps: weight of the KL divergence from the core's own
     # task prediction (no diff, no gradient) to the prediction with the diff,
     # so removing an attribute does not remove the task with it. 0 = off.

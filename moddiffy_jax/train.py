@@ -365,6 +365,10 @@ def init_state(ctx: Context, rng: jax.Array) -> tuple[dict, dict]:
             trainable[removal.MMD_STATS] = removal.init_mmd_stats(
                 model.feature_dim, ctx.attributes
             )
+        if ctx.debias.fisher_weight > 0.0:
+            trainable[removal.FISHER_STATS] = removal.init_fisher_stats(
+                ctx.debias, model.feature_dim, ctx.attributes
+            )
     if ctx.debias is not None and ctx.debias.task_guard and method.debias == "modular":
         trainable[removal.TASK_GUARD] = removal.init_task_guard(ctx.attributes)
     if ctx.debias is not None and ctx.debias.objective == "adversarial":

@@ -327,6 +327,67 @@ def test_whitened_mmd_updates_only_its_attributes_statistics(within):
     np.testing.assert_allclose(float(after["gender"]["rows"]), (1.0 - decay) * dof)
 
 
+def test_running_erasure_needs_the_whitened_mmd():
+    with pytest.raises(ValueError, match="reads the whitened MMD"):
+        train.build_context(
+            tiny(
+                "moddiffy_par",
+                "objective=adversarial",
+                **{"method.fisher_weight": 1.0},
+            )
+        )
+
+
+def test_running_erasure_keeps_per_stratum_mean_differences():
+    ctx, substeps, state, frozen, batch = _first_step(
+        "moddiffy_par",
+        **{
+            "method.mmd_whiten": True,
+            "method.fisher_weight": 2.0,
+            "method.mmd_conditional": "stratify",
+        },
+    )
+    stats = state.trainable[removal.FISHER_STATS]
+    dim = ctx.model.feature_dim
+    assert stats["gender"]["diff"].shape == (2, dim)  # one pair per task class
+    gender_only = [s for s in substeps if s.name == "debias/gender"]
+    new, metrics = jax.jit(common.make_train_step(gender_only))(
+        state, frozen, batch, jax.random.PRNGKey(0)
+    )
+    assert np.isfinite(float(metrics["debias/gender/fisher/gender"]))
+    after = new.trainable[removal.FISHER_STATS]
+    task = np.asarray(batch["task"])
+    gender = np.asarray(batch["attrs"]["gender"])
+    for t in range(2):
+        both = len(np.unique(gender[task == t])) == 2
+        weight = float(after["gender"]["weight"][t])
+        decay = ctx.debias.fisher_decay
+        assert weight == pytest.approx((1.0 - decay) if both else 0.0)
+    assert not np.any(np.asarray(after["age"]["diff"]))
+    off = _first_step("moddiffy_par")[2]
+    assert removal.FISHER_STATS not in off.trainable
+
+
+def test_removal_warms_up_from_zero():
+    ctx, substeps, state, frozen, batch = _first_step(
+        "moddiffy_par", **{"method.removal_warmup_steps": 4}
+    )
+    gender = [s for s in substeps if s.name == "debias/gender"][0]
+    rng = jax.random.PRNGKey(0)
+    _, full = gender.loss(state.trainable, frozen, batch, rng)
+    for step, factor in ((0, 0.0), (1, 0.25), (8, 1.0)):
+        _, terms = gender.loss(
+            state.trainable, frozen, {**batch, common.STEP_KEY: step}, rng
+        )
+        np.testing.assert_allclose(
+            terms["mmd/gender"], factor * full["mmd/gender"], rtol=1e-5, atol=1e-7
+        )
+        np.testing.assert_allclose(terms["task"], full["task"], rtol=1e-6)
+    # In the train step the counter is the state's step: at 0 no removal.
+    new, metrics = jax.jit(common.make_train_step([gender]))(state, frozen, batch, rng)
+    assert float(metrics["debias/gender/mmd/gender"]) == 0.0
+
+
 def test_auto_conditioning_follows_the_training_table():
     # Gender follows the task with correlation 0.8 (smallest cell ~5% of the
     # data: ~1.6 members in a batch of 32), age with 0.5 (~12.5%: ~4).
@@ -445,6 +506,9 @@ def test_unknown_attribute_and_method(tmp_path):
         ("task_distill", -1.0, "task_distill must be in"),
         ("task_guard_decay", 1.0, "task_guard_decay must be in"),
         ("task_guard_rate", -1.0, "task_guard_rate must be in"),
+        ("fisher_weight", -1.0, "fisher_weight must be >= 0"),
+        ("fisher_decay", 1.0, "fisher_decay must be in"),
+        ("removal_warmup_steps", -5, "removal_warmup_steps must be >= 0"),
     ],
 )
 def test_bad_removal_settings_are_named(key, value, message):

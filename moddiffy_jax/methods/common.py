@@ -38,7 +38,13 @@ import optax
 
 from moddiffy_jax import objectives
 from moddiffy_jax.methods import removal
-from moddiffy_jax.methods.terms import INFO_KEY, STATE_KEY, merge_terms, total
+from moddiffy_jax.methods.terms import (
+    INFO_KEY,
+    STATE_KEY,
+    STEP_KEY,
+    merge_terms,
+    total,
+)
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import hard_concrete, selection
 from moddiffy_jax.subnets import masks as masks_lib
@@ -442,6 +448,7 @@ def make_task_loss(
                     train=True,
                     task=batch["task"],
                 )
+                removed = removal.warmed_up(removed, batch.get(STEP_KEY), debias)
                 merge_terms(terms, removed)
         if method.encoder == "diff" and phase == "l0":
             penalty = diffs_lib.l0_penalty(trainable["task_diff"], hc=diff_settings.hc)
@@ -539,6 +546,7 @@ def make_debias_loss(
             train=True,
             task=batch["task"],
         )
+        removed = removal.warmed_up(removed, batch.get(STEP_KEY), debias)
         if debias.task_guard:
             removed = _guarded(
                 removed,
@@ -586,7 +594,7 @@ def make_train_step(substeps: Sequence[SubStep]) -> Callable:
 
             def objective(own_, sub=sub, sub_rng=sub_rng, trainable=trainable):
                 full = scatter_parts(trainable, own_, sub.updates)
-                return sub.loss(full, frozen, batch, sub_rng)
+                return sub.loss(full, frozen, {**batch, STEP_KEY: state.step}, sub_rng)
 
             (total, terms), grads = jax.value_and_grad(objective, has_aux=True)(own)
             updates, opt_states[sub.name] = sub.optimizer.update(

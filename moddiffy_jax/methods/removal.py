@@ -81,6 +81,15 @@ class DebiasSettings:
     task_guard_rate: float = 1.0
     task_guard_decay: float = 0.9
     task_guard_max: float = 4.6  # the removal weight never falls below 1 %.
+    # Running linear erasure (objectives/erasure.py): weight (0 = off) and the
+    # decay of the running group-mean differences. Needs the whitened MMD's
+    # running covariance (objective "mmd", mmd_whiten).
+    fisher_weight: float = 0.0
+    fisher_decay: float = 0.95
+    # The removal terms' weight ramps linearly from 0 at step 0 to full at
+    # this step (0 = full from the start); the running statistics are
+    # updated from the first step on.
+    removal_warmup_steps: int = 0
 
 
 def debias_term(
@@ -132,6 +141,7 @@ def debias_term(
     )
     out = {}
     seen = None
+    raw = h
     if settings.mmd_whiten:
         by_cell = mode != "none" and settings.mmd_whiten_within == "cell"
         stats = objectives.update_covariance(
@@ -143,10 +153,29 @@ def debias_term(
             num_task_classes=settings.num_task_classes,
             decay=settings.mmd_whiten_decay,
         )
-        h, seen = objectives.whiten(
-            h, stats, shrinkage=settings.mmd_whiten_shrinkage, return_seen=True
+        matrix, seen = objectives.whitening_map(
+            stats, shrinkage=settings.mmd_whiten_shrinkage
         )
+        h = h.astype(jnp.float32) @ matrix
         out[STATE_KEY] = {(MMD_STATS, attribute): stats}
+    if settings.fisher_weight > 0.0:
+        pairs = objectives.pair_weights(
+            labels,
+            _fisher_strata(settings, attribute, mode, labels, task),
+            settings.attr_classes[attribute],
+        )
+        value, new = objectives.fisher_loss(
+            raw,
+            pairs,
+            trainable[FISHER_STATS][attribute],
+            white=matrix,
+            scale=objectives.whitened_scale(h, None, seen),
+            decay=settings.fisher_decay,
+        )
+        out[f"fisher/{attribute}"] = settings.fisher_weight * value
+        out[STATE_KEY][(FISHER_STATS, attribute)] = new
+    if settings.mmd_weight == 0.0:
+        return out
     value = objectives.mmd_loss(
         h,
         labels,
@@ -161,6 +190,46 @@ def debias_term(
     )
     out[f"mmd/{attribute}"] = settings.mmd_weight * value
     return out
+
+
+def _fisher_strata(settings, attribute, mode, labels, task):
+    """The [B] member weights of each stratum the running erasure compares
+    the attribute's groups in (see :func:`fisher_pairs`)."""
+    if mode == "stratify":
+        return [
+            (task == t).astype(jnp.float32) for t in range(settings.num_task_classes)
+        ]
+    if mode in ("reweight", "residual"):
+        joint = jnp.asarray(settings.attr_joint[attribute], jnp.float32)
+        p_a = jnp.sum(joint, 0)
+        p_a_given_y = joint / jnp.maximum(jnp.sum(joint, 1, keepdims=True), 1e-12)
+        return [p_a[labels] / jnp.maximum(p_a_given_y[task, labels], 1e-12)]
+    return [jnp.ones(labels.shape[0], jnp.float32)]
+
+
+def fisher_pairs(settings: DebiasSettings, attribute: str) -> int:
+    """How many group pairs the running erasure tracks for ``attribute``: a
+    stratum per task class under ``stratify`` (one otherwise), times one
+    split for a binary attribute or one per value (one-vs-rest)."""
+    mode = settings.mmd_conditional_by_attr.get(attribute, settings.mmd_conditional)
+    strata = settings.num_task_classes if mode == "stratify" else 1
+    classes = settings.attr_classes[attribute]
+    return strata * (1 if classes == 2 else classes)
+
+
+#: Where the running erasure keeps each attribute's running group-mean
+#: differences in the trainable tree (updated through :data:`STATE_KEY`).
+FISHER_STATS = "fisher_stats"
+
+
+def init_fisher_stats(
+    settings: DebiasSettings, feature_dim: int, attributes: Sequence[str]
+) -> dict[str, Any]:
+    """Zero running mean differences for :func:`debias_term`'s erasure term."""
+    return {
+        a: objectives.init_mean_differences(fisher_pairs(settings, a), feature_dim)
+        for a in attributes
+    }
 
 
 def auto_conditioning(joint: Any, batch_size: int) -> str:
@@ -241,19 +310,50 @@ def guarded(
     is not scaled."""
     new = guard_update(state, core_acc, diff_acc, settings)
     scale = jnp.exp(-jax.lax.stop_gradient(state["backoff"]))
-    out = {}
-    for key, value in removed.items():
-        if key == STATE_KEY:
-            out[key] = dict(value)
-        elif key.startswith("adv/") and settings.adv_loss == "confusion":
-            out[key] = value
-        else:
-            out[key] = scale * value
+    out = scaled(removed, scale, settings)
     out.setdefault(STATE_KEY, {}).update(
         {(TASK_GUARD, "attrs", attribute, k): v for k, v in new.items()}
     )
     out[INFO_KEY] = {"guard/gap": new["gap"], "guard/weight": jnp.exp(-new["backoff"])}
     return out
+
+
+def scaled(
+    removed: Mapping[str, Any], scale: jax.Array, settings: DebiasSettings
+) -> dict[str, Any]:
+    """An attribute's removal terms times ``scale``; the reserved entries and
+    the adversaries' own fit under ``adv_loss="confusion"`` (not removal)
+    are left as they are."""
+    out = {}
+    for key, value in removed.items():
+        if key in (STATE_KEY, INFO_KEY):
+            out[key] = dict(value)
+        elif key.startswith("adv/") and settings.adv_loss == "confusion":
+            out[key] = value
+        else:
+            out[key] = scale * value
+    return out
+
+
+def warmed_up(
+    removed: Mapping[str, Any], step: jax.Array | None, settings: DebiasSettings
+) -> dict[str, Any]:
+    """``removed`` times the warm-up ramp ``min(step / removal_warmup_steps,
+    1)``.
+
+    In MoDDiffy-par the core learns the task in the same steps: at full
+    weight from step 0 the diffs remove whatever the barely trained
+    representation holds, the task included (measured on MiniLM: the diffs'
+    task loss stayed at ln 2 through step 80 while the core's fell to 0.2),
+    and the budget's first cuts are taken in that state. ``step`` None (a
+    loss called outside the train step) means full weight.
+    """
+    if settings.removal_warmup_steps <= 0 or step is None:
+        return dict(removed)
+    ramp = jnp.minimum(
+        jnp.asarray(step, jnp.float32) / settings.removal_warmup_steps, 1.0
+    )
+    return scaled(removed, ramp, settings)
 
 
 #: Removal settings added after the first runs, with the behaviour a run
@@ -271,6 +371,9 @@ _LATER_FIELDS = (
     ("task_guard_slack", 0.01),
     ("task_guard_rate", 1.0),
     ("task_guard_decay", 0.9),
+    ("fisher_weight", 0.0),
+    ("fisher_decay", 0.95),
+    ("removal_warmup_steps", 0),
 )
 
 
@@ -311,12 +414,31 @@ def settings_from_config(
         ("task_guard_slack", -1.0, 1.0, "an accuracy difference"),
         ("task_guard_rate", 0.0, float("inf"), "the dual step size"),
         ("task_guard_decay", 0.0, 1.0, "the running gap's EMA decay"),
+        ("fisher_decay", 0.0, 1.0, "the running mean differences' EMA decay"),
     ):
         if not low <= fields[key] < high:
             raise ValueError(
                 f"config.method.{key} must be in [{low}, {high}) ({meaning}), "
                 f"got {fields[key]}."
             )
+    if fields["fisher_weight"] < 0.0:
+        raise ValueError(
+            "config.method.fisher_weight must be >= 0 (0 turns the running "
+            f"linear erasure off), got {fields['fisher_weight']}."
+        )
+    if fields["fisher_weight"] > 0.0 and not (
+        method.objective == "mmd" and fields["mmd_whiten"]
+    ):
+        raise ValueError(
+            "config.method.fisher_weight > 0 reads the whitened MMD's running "
+            "covariance: set config.method.objective='mmd' and "
+            "config.method.mmd_whiten=True, or fisher_weight=0."
+        )
+    if fields["removal_warmup_steps"] < 0:
+        raise ValueError(
+            "config.method.removal_warmup_steps must be >= 0 (0: full removal "
+            f"weight from the first step), got {fields['removal_warmup_steps']}."
+        )
     if fields["mmd_whiten_shrinkage"] <= 0.0:
         raise ValueError(
             "config.method.mmd_whiten_shrinkage must be > 0 (the ridge that "

@@ -17,6 +17,9 @@ import jax
 #: ``{("core", "batch_stats"): new_stats}``; the MMD's running covariance;
 #: the task guard).
 STATE_KEY = "_state"
+#: Reserved key of the batch a sub-step's loss sees: the train step's global
+#: step counter (the removal warm-up reads it).
+STEP_KEY = "_step"
 #: ``{name: value}`` that is logged, not added to the loss (the task
 #: guard's running gap and weight).
 INFO_KEY = "_info"

@@ -10,6 +10,11 @@ from moddiffy_jax.objectives.classification import (
     cross_entropy,
     majority_vote,
 )
+from moddiffy_jax.objectives.erasure import (
+    fisher_loss,
+    init_mean_differences,
+    pair_weights,
+)
 from moddiffy_jax.objectives.known_bias import (
     KNOWN_BIAS_LOSSES,
     confidence_regularization_loss,
@@ -25,6 +30,8 @@ from moddiffy_jax.objectives.mmd import (
     unbiased_mmd2,
     update_covariance,
     whiten,
+    whitened_scale,
+    whitening_map,
     within_group_scatter,
 )
 from moddiffy_jax.objectives.mutual_info import mutual_information
@@ -49,5 +56,10 @@ __all__ = [
     "init_covariance",
     "update_covariance",
     "whiten",
+    "whitened_scale",
+    "whitening_map",
     "within_group_scatter",
+    "fisher_loss",
+    "init_mean_differences",
+    "pair_weights",
 ]

@@ -98,14 +98,7 @@ def kernel_matrix(
     mean = jnp.sum(h * w[:, None], 0) / n
     centered = (h - mean) * w[:, None]
     if whitened:
-        # The batch's scale in the whitened basis: the median over the
-        # coordinates of their variance, differentiated through. Shrinking
-        # the whole representation (the statistics lag behind) changes
-        # nothing, and inflating a few directions does not move it.
-        coord_var = jnp.sum(centered * centered, 0) / (n - 1.0)
-        if seen is not None:  # only the directions the statistics have seen.
-            coord_var = jnp.where(seen > 0, coord_var, jnp.nan)
-        scale = jnp.maximum(jnp.nanmedian(coord_var), 1e-12)
+        scale = whitened_scale(h, weights, seen)
     out = 0.0
     if kernel in ("gaussian", "both"):
         d2 = _sq_distances(h)
@@ -124,6 +117,28 @@ def kernel_matrix(
             var = jnp.maximum(jnp.sum(centered * centered) / (n - 1.0), 1e-12)
         out = out + (centered @ centered.T) / var
     return out
+
+
+def whitened_scale(
+    h: jax.Array, weights: jax.Array | None = None, seen: jax.Array | None = None
+) -> jax.Array:
+    """The batch's scale in the whitened basis: the median over the (seen)
+    coordinates of their variance, differentiated through.
+
+    Shrinking the whole representation (the statistics lag behind) changes
+    nothing once divided by it, and inflating a few directions does not
+    move it. ``seen`` (from ``whiten(..., return_seen=True)``) limits the
+    median to the directions the running statistics have seen.
+    """
+    h = h.astype(jnp.float32)
+    w = jnp.ones(h.shape[0], jnp.float32) if weights is None else weights
+    w = (w > 0).astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(w), 2.0)
+    centered = (h - jnp.sum(h * w[:, None], 0) / n) * w[:, None]
+    coord_var = jnp.sum(centered * centered, 0) / (n - 1.0)
+    if seen is not None:
+        coord_var = jnp.where(seen > 0, coord_var, jnp.nan)
+    return jnp.maximum(jnp.nanmedian(coord_var), 1e-12)
 
 
 def unbiased_mmd2(
@@ -385,7 +400,19 @@ def whiten(
     unchanged.
     """
     h = h.astype(jnp.float32)
-    d = h.shape[-1]
+    matrix, seen = whitening_map(stats, shrinkage=shrinkage)
+    white = h @ matrix
+    if return_seen:
+        return white, seen
+    return white
+
+
+def whitening_map(
+    stats: dict[str, jax.Array], *, shrinkage: float = 0.1
+) -> tuple[jax.Array, jax.Array]:
+    """The [D, D] map :func:`whiten` applies (``V (L + r)^-1/2``; the identity
+    before any statistics exist) and its [D] seen mask. Not differentiated."""
+    d = stats["cov"].shape[-1]
     weight = jax.lax.stop_gradient(stats["weight"])
     cov = jax.lax.stop_gradient(stats["cov"]) / jnp.maximum(weight, 1e-12)
     eigval, eigvec = jnp.linalg.eigh(cov)  # ascending
@@ -395,8 +422,7 @@ def whiten(
     top = (jnp.arange(d) >= d - seen).astype(jnp.float32)
     geo_mean = jnp.exp(jnp.sum(top * jnp.log(eigval + floor)) / jnp.sum(top))
     ridge = shrinkage * geo_mean + 1e-6
-    white = (h @ eigvec) * jax.lax.rsqrt(eigval + ridge)
-    white = jnp.where(weight > 0.0, white, h)
-    if return_seen:
-        return white, jnp.where(weight > 0.0, top, jnp.ones_like(top))
-    return white
+    matrix = eigvec * jax.lax.rsqrt(eigval + ridge)[None, :]
+    started = weight > 0.0
+    matrix = jnp.where(started, matrix, jnp.eye(d, dtype=jnp.float32))
+    return matrix, jnp.where(started, top, jnp.ones_like(top))
