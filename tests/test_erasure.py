@@ -23,7 +23,6 @@ def _loss(h, labels, state, decay=0.9):
         pairs,
         state,
         white=jnp.eye(DIM),
-        scale=objectives.whitened_scale(h),
         decay=decay,
     )
 
@@ -36,10 +35,11 @@ def test_value_is_the_unbiased_squared_separation_along_the_running_direction():
     u = diff / jnp.linalg.norm(diff)  # the first batch sets the direction
     h, _ = _batch(jax.random.PRNGKey(1), 3.0)
     value, _ = _loss(h, labels, state)
-    z = (h @ u) / jnp.sqrt(objectives.whitened_scale(h))
+    z = h @ u
     za, zb = z[labels == 1], z[labels == 0]
     noise = jnp.var(za, ddof=1) / za.size + jnp.var(zb, ddof=1) / zb.size
-    expected = ((jnp.mean(za) - jnp.mean(zb)) ** 2 - noise) / DIM
+    pooled = (jnp.var(za) * za.size + jnp.var(zb) * zb.size) / (z.size - 2)
+    expected = ((jnp.mean(za) - jnp.mean(zb)) ** 2 - noise) / pooled / DIM
     np.testing.assert_allclose(value, expected, rtol=1e-4)
 
 
@@ -75,6 +75,21 @@ def test_the_minimum_is_where_the_batch_groups_agree():
     gap = jnp.mean(moved[labels == 1], 0) - jnp.mean(moved[labels == 0], 0)
     assert abs(float(gap[0])) < 0.2, gap[0]
     assert float(loss_at(shift)) < 0.0 + 1e-3
+
+
+def test_shrinking_along_the_direction_lowers_nothing():
+    state = objectives.init_mean_differences(1, DIM)
+    for i in range(5):
+        h, labels = _batch(jax.random.PRNGKey(i), 3.0)
+        _, state = _loss(h, labels, state)
+    h, labels = _batch(jax.random.PRNGKey(9), 3.0)
+    value, _ = _loss(h, labels, state)
+    u = state["diff"][0] / jnp.linalg.norm(state["diff"][0])  # the direction
+    squeezed = h - 0.95 * (h @ u)[:, None] * u[None, :]
+    value_squeezed, _ = _loss(squeezed, labels, state)
+    np.testing.assert_allclose(value_squeezed, value, rtol=1e-4)
+    # The median-scale form read this squeeze as removal.
+    assert float(value) > 0.05
 
 
 def test_shrinking_the_representation_lowers_nothing():

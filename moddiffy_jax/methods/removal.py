@@ -169,7 +169,6 @@ def debias_term(
             pairs,
             trainable[FISHER_STATS][attribute],
             white=matrix,
-            scale=objectives.whitened_scale(h, None, seen),
             decay=settings.fisher_decay,
         )
         out[f"fisher/{attribute}"] = settings.fisher_weight * value

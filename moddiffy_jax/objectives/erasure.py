@@ -15,22 +15,26 @@ Its gradient then mostly chases each batch's own noise.
 
 :func:`fisher_loss` keeps an exponential moving average of each group
 pair's mean difference (not differentiated), whitens it into a unit
-direction ``u`` (a running LDA direction), and differentiates the batch's
-squared separation along ``u`` only, unbiased::
+direction ``u`` (a running LDA direction, from the batches before this
+one), and differentiates the batch's Fisher ratio along ``u`` only::
 
-    L = ((u . (m_a - m_b))^2 - var(m_a . u) - var(m_b . u)) / D
+    L = ((m_a - m_b)^2 - var(m_a) - var(m_b)) / s^2 / D
 
-``m_a``, ``m_b`` the batch's whitened group means in units of the square
-root of the batch's whitened scale (the median variance of the seen
-coordinates, :func:`objectives.mmd.whitened_scale`, differentiated), so
-shrinking the representation lowers nothing; the variances of the means are
-estimated from the members' spread along ``u``, so the expectation is the
-squared separation itself and the noise of the other ``D - 1`` directions
-is not in the gradient. The minimum is where the current batch's groups
-agree along the running direction; a first form that followed the running
-difference itself (``2 d . b``) had no minimum in the batch and, under
-Adam, drove the groups past each other until the average turned (it raised
-the tiny regression test's leakage 0.80 -> 0.88).
+``m_a``, ``m_b`` the batch's group means of the rows' coordinate along
+``u``, ``var(m)`` their sampling variances (so the numerator is unbiased:
+0 in expectation when the groups agree), ``s^2`` the groups' pooled
+variance along ``u`` in the same batch, differentiated: shrinking the
+representation, as a whole or along ``u`` only, lowers nothing. The noise of
+the other ``D - 1`` directions is not in the gradient, and the minimum is
+where the current batch's groups agree along the running direction.
+
+Two earlier forms failed, measured: following the running difference itself
+(``2 d . b``) has no minimum in the batch and, under Adam, drove the groups
+past each other until the average turned (tiny regression test leakage
+0.80 -> 0.88); dividing by the median whitened scale instead of the
+variance along ``u`` let the MiniLM age diff shrink the directions the age
+information sat in while the lagging covariance still called them wide
+(in the loop the separation read ~0, a fresh probe still read 0.926).
 """
 
 from __future__ import annotations
@@ -69,13 +73,14 @@ def pair_weights(
 
 
 def _group_stats(z, w):
-    """Weighted mean and the variance of that mean, of the scalars ``z``
-    over the members of weight ``w`` (effective size ``(sum w)^2 / sum w^2``)."""
+    """Weighted mean, the variance of that mean, and the members' scatter
+    about it, of the scalars ``z`` over the members of weight ``w``
+    (effective size ``(sum w)^2 / sum w^2``)."""
     total = jnp.maximum(jnp.sum(w), 1e-12)
     mean = (w @ z) / total
     var = (w @ (z - mean) ** 2) / total
     eff = total**2 / jnp.maximum(jnp.sum(w * w), 1e-12)
-    return mean, var / jnp.maximum(eff - 1.0, 1.0)
+    return mean, var / jnp.maximum(eff - 1.0, 1.0), var * total
 
 
 def fisher_loss(
@@ -84,7 +89,6 @@ def fisher_loss(
     state: dict[str, jax.Array],
     *,
     white: jax.Array,
-    scale: jax.Array,
     decay: float,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The groups' squared separation along their running direction, and the
@@ -97,7 +101,6 @@ def fisher_loss(
       state: from :func:`init_mean_differences` with ``len(pairs)`` rows.
       white: [D, D] the whitening map (``h @ white`` is the whitened batch;
         not differentiated).
-      scale: the batch's whitened scale (differentiated).
       decay: the running average's decay per step.
 
     Returns:
@@ -110,7 +113,6 @@ def fisher_loss(
     white = jax.lax.stop_gradient(white)
     d = h.shape[-1]
     spread = jax.lax.stop_gradient(jnp.sqrt(jnp.mean(jnp.var(h, 0))) + 1e-12)
-    root = jnp.sqrt(scale)
     rows, weights, total, norm = [], [], 0.0, 0.0
     for i, (a, b, size) in enumerate(pairs):
         mean_a = (a @ h) / jnp.maximum(jnp.sum(a), 1e-12)
@@ -126,16 +128,21 @@ def fisher_loss(
         rows.append(stored)
         weights.append(weight)
         # The running difference whitened, as a unit vector; each row's
-        # whitened coordinate along it, in units of the batch's scale.
+        # whitened coordinate along it.
         # From the batches before this one: a direction that includes this
         # batch's own noise would bias the separation along it upwards.
         direction = (state["diff"][i] / jnp.maximum(state["weight"][i], 1e-12)) @ white
         direction = direction / jnp.maximum(jnp.linalg.norm(direction), 1e-12)
         valid = valid & (state["weight"][i] > 0.0)
-        z = (h @ (white @ direction)) / root
-        za, noise_a = _group_stats(z, a)
-        zb, noise_b = _group_stats(z, b)
-        value = ((za - zb) ** 2 - noise_a - noise_b) / d
+        z = h @ (white @ direction)
+        za, noise_a, scatter_a = _group_stats(z, a)
+        zb, noise_b, scatter_b = _group_stats(z, b)
+        # The batch's own within-group variance along the direction
+        # (differentiated): shrinking along it lowers nothing.
+        pooled = (scatter_a + scatter_b) / jnp.maximum(
+            jnp.sum(a) + jnp.sum(b) - 2.0, 1.0
+        )
+        value = ((za - zb) ** 2 - noise_a - noise_b) / (pooled + 1e-12) / d
         total = total + jnp.where(valid, size * value, 0.0)
         norm = norm + jnp.where(valid, size, 0.0)
     new = {"diff": jnp.stack(rows), "weight": jnp.stack(weights)}
