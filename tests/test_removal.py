@@ -7,8 +7,9 @@ vectors carry gender well beyond what the task label implies (the floor).
 MoDDiffy-post then trains one sparse gender diff on that frozen core with the
 library's default recipe (unbiased task-conditional MMD with linear and
 Gaussian kernels in the metric of the attribute groups' running covariance,
-the running linear-erasure term, gradual pruning to the budget, fixmask). A fresh class-balanced linear
-probe, fit on frozen train representations, must leak clearly less on
+the running linear-erasure term, gradual pruning to the budget, fixmask).
+A fresh class-balanced linear probe, fit on frozen train representations,
+must leak clearly less on
 held-out data with the diff than without it, with the task kept. A change
 that breaks removal (the objective, the gradual pruning, the cut, the
 fixmask phase) fails here.
