@@ -116,6 +116,13 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # seed-0 variant tried; decay 0.8 tracked age better than 0.95.
     c.method.fisher_weight = 10.0
     c.method.fisher_decay = 0.8
+    # Erased targets (objectives/erasure.py): the modular debias step pulls
+    # the diff's representation of each input to the core's, moved by its
+    # (task class, attribute value) cell's running offset to the class mean.
+    # Weight (0 = off) and the running cell means' decay.
+    c.method.target_weight = 0.0
+    c.method.target_decay = 0.9
+    c.method.target_mode = "project"
     # The removal terms ramp linearly from 0 to full weight over the first
     # steps (the running statistics are collected from step 0): in
     # MoDDiffy-par the core learns the task meanwhile. 0 = full from step 0.

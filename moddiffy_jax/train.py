@@ -369,6 +369,10 @@ def init_state(ctx: Context, rng: jax.Array) -> tuple[dict, dict]:
             trainable[removal.FISHER_STATS] = removal.init_fisher_stats(
                 ctx.debias, model.feature_dim, ctx.attributes
             )
+        if ctx.debias.target_weight > 0.0 and method.debias == "modular":
+            trainable[removal.TARGET_STATS] = removal.init_target_stats(
+                ctx.debias, model.feature_dim, ctx.attributes
+            )
     if ctx.debias is not None and ctx.debias.task_guard and method.debias == "modular":
         trainable[removal.TASK_GUARD] = removal.init_task_guard(ctx.attributes)
     if ctx.debias is not None and ctx.debias.objective == "adversarial":

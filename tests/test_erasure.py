@@ -3,6 +3,8 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import pytest
 
 from moddiffy_jax import objectives
 
@@ -156,3 +158,149 @@ def test_strata_and_one_vs_rest_splits():
     np.testing.assert_array_equal(a, [1, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(b, [0, 1, 1, 0, 0, 0])
     assert int(size) == 3
+
+
+# --------------------------------------------------------------------------
+# Erased targets.
+
+
+def _cells(key, n=64, shift=2.0):
+    """Rows of two task classes (coordinate 1) whose attribute value (its
+    share differs by class) moves coordinate 0 by ``shift``."""
+    k1, k2 = jax.random.split(key)
+    task = (jnp.arange(n) % 2).astype(jnp.int32)
+    labels = (jax.random.uniform(k1, (n,)) < jnp.where(task == 1, 0.8, 0.3)).astype(
+        jnp.int32
+    )
+    h = jax.random.normal(k2, (n, DIM))
+    h = h.at[:, 1].add(3.0 * task).at[:, 0].add(shift * labels)
+    return h, task, labels
+
+
+def test_cell_means_and_offsets():
+    h, task, labels = _cells(jax.random.PRNGKey(0))
+    state = objectives.update_cell_means(
+        objectives.init_cell_means(2, 2, DIM), h, task, labels, decay=0.0
+    )
+    offsets = objectives.cell_offsets(state)
+    hn, tn, ln = np.asarray(h), np.asarray(task), np.asarray(labels)
+    for t in range(2):
+        mean_t = hn[tn == t].mean(0)
+        for a in range(2):
+            cell = hn[(tn == t) & (ln == a)].mean(0)
+            np.testing.assert_allclose(offsets[t, a], cell - mean_t, atol=1e-5)
+    # A cell absent from a batch keeps its estimate; a present one decays.
+    h2, task2, labels2 = _cells(jax.random.PRNGKey(5))
+    only = task2 == 0
+    again = objectives.update_cell_means(
+        state, h2[only], task2[only], labels2[only], decay=0.5
+    )
+    np.testing.assert_allclose(again["sum"][1], state["sum"][1])
+    np.testing.assert_allclose(again["weight"][1], state["weight"][1])
+    assert not np.allclose(again["sum"][0], state["sum"][0])
+    fresh = objectives.cell_offsets(objectives.init_cell_means(2, 2, DIM))
+    assert not np.any(np.asarray(fresh))  # nothing seen: no shift
+
+
+def test_shifted_target_loss_is_zero_at_the_target_and_pulls_towards_it():
+    h, task, labels = _cells(jax.random.PRNGKey(1))
+    state = objectives.update_cell_means(
+        objectives.init_cell_means(2, 2, DIM), h, task, labels, decay=0.0
+    )
+    offsets = objectives.cell_offsets(state)
+    target = h - offsets[task, labels]
+
+    def loss(x):
+        return objectives.erased_target_loss(
+            x, h, task, labels, state, white=jnp.eye(DIM), mode="shift"
+        )
+
+    assert float(loss(target)) == pytest.approx(0.0, abs=1e-10)
+    expected = np.mean(np.sum(np.asarray(offsets[task, labels]) ** 2, -1)) / DIM
+    assert float(loss(h)) == pytest.approx(expected, rel=1e-5)
+    # The gradient at the anchor points from the target to the anchor.
+    grad = jax.grad(loss)(h)
+    np.testing.assert_allclose(grad, 2.0 * (h - target) / (h.shape[0] * DIM), rtol=1e-4)
+
+
+def test_projected_target_takes_the_offset_directions_out_in_the_whitened_metric():
+    h, task, labels = _cells(jax.random.PRNGKey(4))
+    state = objectives.update_cell_means(
+        objectives.init_cell_means(2, 2, DIM), h, task, labels, decay=0.0
+    )
+    white = jnp.diag(jnp.linspace(0.5, 2.0, DIM))
+    # A binary attribute: one direction, the mean over value 1's members of
+    # their cell's within-class offset, whitened.
+    ones = np.asarray(labels) == 1
+    pooled = np.asarray(objectives.cell_offsets(state))[np.asarray(task)[ones], 1]
+    pooled = pooled.mean(0)
+    unit = pooled @ np.asarray(white)
+    unit /= np.linalg.norm(unit)
+    centre = np.asarray(h).mean(0)
+    z = (np.asarray(h) - centre) @ np.asarray(white)
+    along = (z @ unit)[:, None]
+    target_white = z - along * unit  # whitened, about the overall mean
+    target = target_white @ np.linalg.inv(np.asarray(white)) + centre
+
+    def loss(x):
+        return objectives.erased_target_loss(x, h, task, labels, state, white=white)
+
+    assert float(loss(jnp.asarray(target, jnp.float32))) == pytest.approx(0.0, abs=1e-9)
+    # At the anchor: the within-class variance along the offset directions.
+    expected = np.mean(along**2) / DIM
+    assert float(loss(h)) == pytest.approx(expected, rel=1e-4)
+    with pytest.raises(ValueError, match="not one of"):
+        objectives.erased_target_loss(h, h, task, labels, state, white=white, mode="x")
+
+
+def test_erased_targets_remove_what_a_linear_probe_reads_and_keep_the_task():
+    """An affine map trained on the projected targets (representation
+    ``x + x M + b``) leaves a fresh probe of the attribute near what the
+    task label implies, and the task direction where it was. (The attribute
+    is not a function of ``x`` here, so moving each row by its own cell's
+    offset, ``mode="shift"``, is out of an affine map's reach: the
+    least-squares fit only shrinks coordinate 0, which a probe of the
+    standardized representation still reads.)"""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import balanced_accuracy_score
+
+    def moved(p, x):
+        return x + x @ p["m"] + p["b"]
+
+    def probe(p, train, test):
+        fit = LogisticRegression(class_weight="balanced", max_iter=2000)
+        fit.fit(np.asarray(moved(p, train[0])), np.asarray(train[2]))
+        pred = fit.predict(np.asarray(moved(p, test[0])))
+        return balanced_accuracy_score(np.asarray(test[2]), pred)
+
+    train_set = _cells(jax.random.PRNGKey(2), n=2000)
+    test_set = _cells(jax.random.PRNGKey(3), n=2000)
+    floor = balanced_accuracy_score(np.asarray(test_set[2]), np.asarray(test_set[1]))
+    state = objectives.init_cell_means(2, 2, DIM)
+    start_p = {"m": jnp.zeros((DIM, DIM)), "b": jnp.zeros(DIM)}
+    p = start_p
+    opt = optax.adam(1e-2)
+    opt_state = opt.init(p)
+    for i in range(300):
+        start = (i * 32) % 2000
+        x, task, labels = (a[start : start + 32] for a in train_set)
+        state = objectives.update_cell_means(state, x, task, labels, decay=0.9)
+
+        def loss(p_, x=x, task=task, labels=labels, state=state):
+            return objectives.erased_target_loss(
+                moved(p_, x), x, task, labels, state, white=jnp.eye(DIM)
+            )
+
+        updates, opt_state = opt.update(jax.grad(loss)(p), opt_state)
+        p = optax.apply_updates(p, updates)
+    before = probe(start_p, train_set, test_set)
+    after = probe(p, train_set, test_set)
+    assert before > floor + 0.1, (before, floor)
+    assert after - floor < 0.25 * (before - floor), (before, after, floor)
+    # The task (coordinate 1) is read as before.
+    x, task = test_set[0], test_set[1]
+
+    def task_gap(r):
+        return float(jnp.mean(r[task == 1, 1]) - jnp.mean(r[task == 0, 1]))
+
+    assert task_gap(moved(p, x)) == pytest.approx(task_gap(x), rel=0.15)

@@ -368,6 +368,79 @@ def test_running_erasure_keeps_per_stratum_mean_differences():
     assert removal.FISHER_STATS not in off.trainable
 
 
+def test_erased_targets_need_the_whitened_mmd():
+    with pytest.raises(ValueError, match="target_weight > 0 reads the whitened"):
+        train.build_context(
+            tiny(
+                "moddiffy_par",
+                "objective=adversarial",
+                **{"method.target_weight": 1.0},
+            )
+        )
+
+
+def test_erased_targets_keep_running_cell_means_of_the_core():
+    ctx, substeps, state, frozen, batch = _first_step(
+        "moddiffy_par", **{"method.target_weight": 3.0}
+    )
+    stats = state.trainable[removal.TARGET_STATS]
+    dim = ctx.model.feature_dim
+    assert stats["gender"]["sum"].shape == (2, 2, dim)  # (task class, value)
+    gender_only = [s for s in substeps if s.name == "debias/gender"]
+    new, metrics = jax.jit(common.make_train_step(gender_only))(
+        state, frozen, batch, jax.random.PRNGKey(0)
+    )
+    assert float(metrics["debias/gender/target/gender"]) > 0.0
+    after = new.trainable[removal.TARGET_STATS]
+    counts = np.zeros((2, 2))
+    np.add.at(
+        counts, (np.asarray(batch["task"]), np.asarray(batch["attrs"]["gender"])), 1
+    )
+    decay = ctx.debias.target_decay
+    np.testing.assert_allclose(
+        after["gender"]["weight"], (1.0 - decay) * counts, rtol=1e-6
+    )
+    assert not np.any(np.asarray(after["age"]["sum"]))
+    off = _first_step("moddiffy_par", **{"method.target_weight": 0.0})[2]
+    assert removal.TARGET_STATS not in off.trainable
+
+
+def test_the_anchor_is_the_core_under_the_same_dropout():
+    """With the diff at 0 (its start), the erased targets' anchor is exactly
+    the debias step's own representation: same dropout, no diff."""
+    ctx, substeps, state, frozen, batch = _first_step(
+        "moddiffy_par", **{"method.target_weight": 3.0}
+    )
+    assert ctx.model.bert_config.hidden_dropout_prob > 0.0
+    method = ctx.method
+    kwargs = dict(phase="l0", settings=ctx.diff_settings)
+    rng = jax.random.PRNGKey(3)
+    h = common._task_forward(
+        ctx.model,
+        method,
+        state.trainable,
+        frozen,
+        batch,
+        rng,
+        attribute="gender",
+        **kwargs,
+    )[0]
+    anchor = common._undebiased_representation(
+        ctx.model, method, state.trainable, frozen, batch, rng, **kwargs
+    )
+    np.testing.assert_allclose(h, anchor, atol=1e-6)
+    other = common._undebiased_representation(
+        ctx.model,
+        method,
+        state.trainable,
+        frozen,
+        batch,
+        jax.random.PRNGKey(4),
+        **kwargs,
+    )
+    assert not np.allclose(h, other, atol=1e-3)  # dropout is on
+
+
 def test_removal_warms_up_from_zero():
     ctx, substeps, state, frozen, batch = _first_step(
         "moddiffy_par", **{"method.removal_warmup_steps": 4}
@@ -509,6 +582,9 @@ def test_unknown_attribute_and_method(tmp_path):
         ("fisher_weight", -1.0, "fisher_weight must be >= 0"),
         ("fisher_decay", 1.0, "fisher_decay must be in"),
         ("removal_warmup_steps", -5, "removal_warmup_steps must be >= 0"),
+        ("target_weight", -1.0, "target_weight must be >= 0"),
+        ("target_decay", 1.0, "target_decay must be in"),
+        ("target_mode", "move", "target_mode='move' is not one of"),
     ],
 )
 def test_bad_removal_settings_are_named(key, value, message):

@@ -399,6 +399,19 @@ def _task_forward(
     return h, logits, terms, r_adv
 
 
+def _undebiased_representation(
+    model, method, trainable, frozen, batch, rng, *, phase, settings
+):
+    """The representations without any attribute diff (no gradient), under
+    the dropout and diff samples that :func:`_task_forward` draws from
+    ``rng``: the erased-target term's anchor."""
+    r_diff, r_enc, _, _ = jax.random.split(rng, 4)
+    params, _ = _encoder_and_head(
+        method, trainable, frozen, phase, settings, None, r_diff, train=True
+    )
+    return jax.lax.stop_gradient(model.represent(params, batch, r_enc, True))
+
+
 def _core_prediction(model, method, trainable, frozen, batch, *, phase, settings):
     """The task log-probabilities without any attribute diff (no dropout, no
     gradient): what a debias step should keep."""
@@ -535,6 +548,18 @@ def make_debias_loss(
             student = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
             kl = jnp.sum(jnp.exp(teacher) * (teacher - student), -1)
             terms["distill"] = debias.task_distill * jnp.mean(kl)
+        anchor = None
+        if debias.target_weight > 0.0:
+            anchor = _undebiased_representation(
+                model,
+                method,
+                trainable,
+                frozen,
+                batch,
+                rng,
+                phase=phase,
+                settings=diff_settings,
+            )
         removed = removal.debias_term(
             model,
             trainable,
@@ -545,6 +570,7 @@ def make_debias_loss(
             rng=r_adv,
             train=True,
             task=batch["task"],
+            anchor=anchor,
         )
         removed = removal.warmed_up(removed, batch.get(STEP_KEY), debias)
         if debias.task_guard:

@@ -90,6 +90,16 @@ class DebiasSettings:
     # this step (0 = full from the start); the running statistics are
     # updated from the first step on.
     removal_warmup_steps: int = 0
+    # Erased targets (objectives/erasure.py): weight (0 = off) of the
+    # whitened distance from the diff's representation to the core's with
+    # the attribute's (task class, value) cell offsets taken out, and the
+    # decay of the running cell means. Needs the whitened MMD's running
+    # covariance (objective "mmd", mmd_whiten) and the task labels.
+    target_weight: float = 0.0
+    target_decay: float = 0.9
+    # "project" (each row's within-class deviation along the cells' offset
+    # directions taken out) or "shift" (each row moved by its cell's offset).
+    target_mode: str = "project"
 
 
 def debias_term(
@@ -103,10 +113,13 @@ def debias_term(
     rng: jax.Array,
     train: bool,
     task: jax.Array | None = None,
+    anchor: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """The named removal terms for one attribute on representations ``h``.
 
     ``task`` [B] (the gold task labels) is used by the task-conditional MMD.
+    ``anchor`` [B, H]: the same inputs' representations without the diff
+    (under the same dropout), which the erased-target term needs.
     """
     if settings.objective == "adversarial":
         params = trainable["adversaries"][attribute]
@@ -173,6 +186,25 @@ def debias_term(
         )
         out[f"fisher/{attribute}"] = settings.fisher_weight * value
         out[STATE_KEY][(FISHER_STATS, attribute)] = new
+    if settings.target_weight > 0.0:
+        if anchor is None or task is None:
+            raise ValueError(
+                "the erased-target term (config.method.target_weight > 0) needs "
+                "the task labels and the representations without the diff; "
+                "only the modular debias step of a diff method passes them."
+            )
+        cells = objectives.update_cell_means(
+            trainable[TARGET_STATS][attribute],
+            anchor,
+            task,
+            labels,
+            decay=settings.target_decay,
+        )
+        value = objectives.erased_target_loss(
+            raw, anchor, task, labels, cells, white=matrix, mode=settings.target_mode
+        )
+        out[f"target/{attribute}"] = settings.target_weight * value
+        out[STATE_KEY][(TARGET_STATS, attribute)] = cells
     if settings.mmd_weight == 0.0:
         return out
     value = objectives.mmd_loss(
@@ -227,6 +259,23 @@ def init_fisher_stats(
     """Zero running mean differences for :func:`debias_term`'s erasure term."""
     return {
         a: objectives.init_mean_differences(fisher_pairs(settings, a), feature_dim)
+        for a in attributes
+    }
+
+
+#: Where the erased-target term keeps each attribute's running cell means of
+#: the undebiased representations (updated through :data:`STATE_KEY`).
+TARGET_STATS = "target_stats"
+
+
+def init_target_stats(
+    settings: DebiasSettings, feature_dim: int, attributes: Sequence[str]
+) -> dict[str, Any]:
+    """Empty running cell means for :func:`debias_term`'s erased targets."""
+    return {
+        a: objectives.init_cell_means(
+            settings.num_task_classes, settings.attr_classes[a], feature_dim
+        )
         for a in attributes
     }
 
@@ -373,6 +422,9 @@ _LATER_FIELDS = (
     ("fisher_weight", 0.0),
     ("fisher_decay", 0.95),
     ("removal_warmup_steps", 0),
+    ("target_weight", 0.0),
+    ("target_decay", 0.9),
+    ("target_mode", "shift"),
 )
 
 
@@ -402,6 +454,7 @@ def settings_from_config(
         ("mmd_kernel", objectives_mmd.KERNELS),
         ("mmd_conditional", MMD_CONDITIONS),
         ("mmd_whiten_within", WHITEN_WITHIN),
+        ("target_mode", objectives.TARGET_MODES),
     ):
         if fields[key] not in valid:
             raise ValueError(
@@ -414,6 +467,7 @@ def settings_from_config(
         ("task_guard_rate", 0.0, float("inf"), "the dual step size"),
         ("task_guard_decay", 0.0, 1.0, "the running gap's EMA decay"),
         ("fisher_decay", 0.0, 1.0, "the running mean differences' EMA decay"),
+        ("target_decay", 0.0, 1.0, "the running cell means' EMA decay"),
     ):
         if not low <= fields[key] < high:
             raise ValueError(
@@ -432,6 +486,19 @@ def settings_from_config(
             "config.method.fisher_weight > 0 reads the whitened MMD's running "
             "covariance: set config.method.objective='mmd' and "
             "config.method.mmd_whiten=True, or fisher_weight=0."
+        )
+    if fields["target_weight"] < 0.0:
+        raise ValueError(
+            "config.method.target_weight must be >= 0 (0 turns the erased "
+            f"targets off), got {fields['target_weight']}."
+        )
+    if fields["target_weight"] > 0.0 and not (
+        method.objective == "mmd" and fields["mmd_whiten"]
+    ):
+        raise ValueError(
+            "config.method.target_weight > 0 reads the whitened MMD's running "
+            "covariance: set config.method.objective='mmd' and "
+            "config.method.mmd_whiten=True, or target_weight=0."
         )
     if fields["removal_warmup_steps"] < 0:
         raise ValueError(

@@ -11,9 +11,17 @@ from moddiffy_jax.objectives.classification import (
     majority_vote,
 )
 from moddiffy_jax.objectives.erasure import (
+    TARGET_MODES,
+    cell_offsets,
+    class_means,
+    erased_target_loss,
     fisher_loss,
+    init_cell_means,
     init_mean_differences,
+    offset_directions,
+    overall_mean,
     pair_weights,
+    update_cell_means,
 )
 from moddiffy_jax.objectives.known_bias import (
     KNOWN_BIAS_LOSSES,
@@ -62,4 +70,12 @@ __all__ = [
     "fisher_loss",
     "init_mean_differences",
     "pair_weights",
+    "TARGET_MODES",
+    "cell_offsets",
+    "class_means",
+    "offset_directions",
+    "overall_mean",
+    "erased_target_loss",
+    "init_cell_means",
+    "update_cell_means",
 ]

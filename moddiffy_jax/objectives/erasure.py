@@ -147,3 +147,138 @@ def fisher_loss(
         norm = norm + jnp.where(valid, size, 0.0)
     new = {"diff": jnp.stack(rows), "weight": jnp.stack(weights)}
     return total / jnp.maximum(norm, 1.0), new
+
+
+# --------------------------------------------------------------------------
+# Erased targets: the core's representation with the attribute's cell
+# offsets taken out.
+
+
+def init_cell_means(num_task_classes: int, num_classes: int, dim: int):
+    """Empty running means of each (task class, attribute value) cell."""
+    return {
+        "sum": jnp.zeros((num_task_classes, num_classes, dim), jnp.float32),
+        "weight": jnp.zeros((num_task_classes, num_classes), jnp.float32),
+    }
+
+
+def update_cell_means(
+    state: dict[str, jax.Array],
+    h: jax.Array,
+    task: jax.Array,
+    labels: jax.Array,
+    *,
+    decay: float,
+) -> dict[str, jax.Array]:
+    """One EMA step of the cells' sums and member counts (``h`` detached).
+
+    A cell absent from the batch keeps its estimate: the decay applies only
+    to cells with members, so a rare cell's mean is not diluted towards 0.
+    """
+    h = jax.lax.stop_gradient(h.astype(jnp.float32))
+    t, c = state["weight"].shape
+    onehot = jax.nn.one_hot(task, t)[:, :, None] * jax.nn.one_hot(labels, c)[:, None]
+    count = jnp.sum(onehot, 0)  # [T, C]
+    sums = jnp.einsum("btc,bd->tcd", onehot, h)
+    keep = jnp.where(count > 0, decay, 1.0)
+    return {
+        "sum": keep[..., None] * state["sum"]
+        + jnp.where(count[..., None] > 0, (1.0 - decay) * sums, 0.0),
+        "weight": keep * state["weight"]
+        + jnp.where(count > 0, (1.0 - decay) * count, 0.0),
+    }
+
+
+def cell_offsets(state: dict[str, jax.Array]) -> jax.Array:
+    """[T, C, D] each cell's running mean minus its task class's mean (the
+    cells' means weighted by their running member counts); 0 for a cell not
+    yet seen, or a class with a single seen cell."""
+    weight = state["weight"]
+    means = state["sum"] / jnp.maximum(weight, 1e-12)[..., None]
+    return jnp.where(
+        (weight > 0.0)[..., None], means - class_means(state)[:, None], 0.0
+    )
+
+
+def class_means(state: dict[str, jax.Array]) -> jax.Array:
+    """[T, D] each task class's running mean (over all its cells)."""
+    total = jnp.maximum(jnp.sum(state["weight"], 1), 1e-12)
+    return jnp.sum(state["sum"], 1) / total[:, None]
+
+
+#: How :func:`erased_target_loss` erases the anchor: ``"project"`` takes
+#: each row's within-class deviation along the cells' (whitened) offset
+#: directions out; ``"shift"`` moves each row by its own cell's offset.
+TARGET_MODES = ("project", "shift")
+
+
+def offset_directions(state: dict[str, jax.Array], white: jax.Array) -> jax.Array:
+    """[D, D] the orthogonal projection onto the span of the attribute's
+    whitened within-class offsets: for each value, the mean over its members
+    of their cell's offset from its task class's mean. These ``C`` rows sum
+    to 0 weighted by the values' sizes, so they span ``C - 1`` directions
+    (near-zero singular directions are left out)."""
+    weight = state["weight"]
+    pooled = (
+        jnp.einsum("tc,tcd->cd", weight, cell_offsets(state))
+        / jnp.maximum(jnp.sum(weight, 0), 1e-12)[:, None]
+    )
+    u, s, _ = jnp.linalg.svd((pooled @ white).T, full_matrices=False)
+    keep = (s > 1e-4 * jnp.maximum(jnp.max(s), 1e-12)).astype(u.dtype)
+    return (u * keep) @ u.T
+
+
+def overall_mean(state: dict[str, jax.Array]) -> jax.Array:
+    """[D] the running mean over every cell."""
+    return jnp.sum(state["sum"], (0, 1)) / jnp.maximum(jnp.sum(state["weight"]), 1e-12)
+
+
+def erased_target_loss(
+    h: jax.Array,
+    anchor: jax.Array,
+    task: jax.Array,
+    labels: jax.Array,
+    state: dict[str, jax.Array],
+    *,
+    white: jax.Array,
+    mode: str = "project",
+) -> jax.Array:
+    """Mean whitened squared distance of ``h`` to its erased target.
+
+    ``anchor`` [B, D] is the undebiased representation of the same inputs
+    (the core's, under the same dropout). The target of row ``i``:
+
+    * ``"project"``: in the whitened metric, the anchor with its component
+      along the attribute's running within-class offset directions (pooled
+      over the task classes) set to the running mean's: an oblique
+      projection, LEACE's eraser (Belrose et al. 2023) along the
+      directions in which the attribute's groups differ *within* a task
+      class, so the task's own separation elsewhere is not erased. Every
+      row then shares its coordinate along those directions, whether or not
+      its attribute can be told from its input, and the target is a linear
+      function of the anchor (a centring on each row's task class would
+      make it depend on the gold label, and the least-squares fit would
+      keep the attribute to guess the label; measured on toy data);
+    * ``"shift"``: the anchor moved by its own (task class, attribute value)
+      cell's offset to its class's mean; the groups' means then agree, but
+      only where the diff can tell each row's attribute from its input
+      (otherwise the least-squares fit shrinks the difference instead of
+      removing it).
+
+    The rest of the representation stays the core's, so the task is kept.
+    Each row's target is fixed (anchor and statistics are not
+    differentiated): the minimum does not move with the batch's noise.
+    """
+    if mode not in TARGET_MODES:
+        raise ValueError(f"erased target mode {mode!r} is not one of {TARGET_MODES}.")
+    offsets = jax.lax.stop_gradient(cell_offsets(state))
+    white = jax.lax.stop_gradient(white)
+    anchor = jax.lax.stop_gradient(anchor.astype(jnp.float32))
+    moved = (h.astype(jnp.float32) - anchor) @ white
+    if mode == "shift":
+        resid = moved + offsets[task, labels] @ white
+    else:
+        state = jax.lax.stop_gradient(state)
+        deviation = (anchor - overall_mean(state)) @ white
+        resid = moved + deviation @ offset_directions(state, white)
+    return jnp.mean(jnp.sum(resid**2, -1)) / h.shape[-1]
