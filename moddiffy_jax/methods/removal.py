@@ -231,10 +231,11 @@ def _fisher_strata(settings, attribute, mode, labels, task):
             (task == t).astype(jnp.float32) for t in range(settings.num_task_classes)
         ]
     if mode in ("reweight", "residual"):
-        joint = jnp.asarray(settings.attr_joint[attribute], jnp.float32)
-        p_a = jnp.sum(joint, 0)
-        p_a_given_y = joint / jnp.maximum(jnp.sum(joint, 1, keepdims=True), 1e-12)
-        return [p_a[labels] / jnp.maximum(p_a_given_y[task, labels], 1e-12)]
+        return [
+            objectives_mmd.importance_weights(
+                settings.attr_joint[attribute], task, labels
+            )
+        ]
     return [jnp.ones(labels.shape[0], jnp.float32)]
 
 

@@ -43,6 +43,8 @@ minimiser is *removal*, not collapse:
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -167,6 +169,16 @@ def unbiased_mmd2(
     return jnp.where(valid, within(a) + within(b) - 2.0 * kab, 0.0), valid
 
 
+def importance_weights(joint: Any, task: jax.Array, labels: jax.Array) -> jax.Array:
+    """[B] ``P(a) / P(a | y)`` of each row from the train split's [T][C]
+    joint table ``P(y, a)``: so weighted, the attribute's groups carry the
+    same task mix (what ``mmd_conditional="reweight"`` compares)."""
+    joint = jnp.asarray(joint, jnp.float32)
+    p_a = jnp.sum(joint, 0)
+    p_a_given_y = joint / jnp.maximum(jnp.sum(joint, 1, keepdims=True), 1e-12)
+    return p_a[labels] / jnp.maximum(p_a_given_y[task, labels], 1e-12)
+
+
 def mmd_loss(
     h: jax.Array,
     labels: jax.Array,
@@ -224,10 +236,7 @@ def mmd_loss(
         h, weights, kernel=kernel, exponents=exponents, whitened=whitened, seen=seen
     )
     if task is not None and joint is not None:
-        joint = jnp.asarray(joint, jnp.float32)
-        p_a = jnp.sum(joint, 0)
-        p_a_given_y = joint / jnp.maximum(jnp.sum(joint, 1, keepdims=True), 1e-12)
-        iw = w * p_a[labels] / jnp.maximum(p_a_given_y[task, labels], 1e-12)
+        iw = w * importance_weights(joint, task, labels)
         splits = range(1) if num_classes == 2 else range(num_classes)
         total, norm = 0.0, 0.0
         for c in splits:
