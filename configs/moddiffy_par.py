@@ -10,13 +10,14 @@ Arguments after ":" are comma-separated key=value pairs: data=synthetic|dwmw17
 ../shared/data/dwmw17_dialect by path), model=minilm|tiny,
 objective=mmd|adversarial (default mmd). Any field can be overridden with
 --config.<field>=<value>; the config is locked, so a misspelled field fails.
-Measured (2-core CPU, 2026-11-23, stop 13, seed 0, scikit-learn probes
-of the standardized representations; BENCHMARKS.md, docs/efficacy.md):
-test accuracy core 0.926, core+gender 0.912, core+age 0.922; the share of
-the core-to-floor gap each diff closes, linear / MLP probe: gender 0.27 /
-0.56, age 0.18 / 0.41 (stop-12 default: 0.18 / 0.46 and 0.10 / 0.28). The
-bar (0.5 under both) is not yet met. (The stop-11 numbers that stood here
-were a probe artifact: the diffs shrank the representation.)
+Measured (2-core CPU, 2026-11-24, stop 14; scikit-learn probes of the
+standardized representations; BENCHMARKS.md, docs/efficacy.md): over
+training seeds 0, 1, 2 the gender diff closes 0.59 ± 0.33 / 0.81 ± 0.26
+(linear / MLP) of the core-to-floor gap at -1.6 ± 0.5 points of test
+accuracy, the age diff 0.19 ± 0.16 / 0.33 ± 0.15 at -0.7 ± 0.8; both
+diffs together cost 3.5 ± 2.0 points. The bar (0.5 under both, every
+seed) is not yet met. With three times the steps the age diff closes
+0.65 / 0.79 on seed 0. About 9 minutes on 2 idle cores.
 """
 
 from moddiffy_jax.config_lib import experiment_config
