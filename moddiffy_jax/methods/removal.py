@@ -475,32 +475,23 @@ def settings_from_config(
                 f"config.method.{key} must be in [{low}, {high}) ({meaning}), "
                 f"got {fields[key]}."
             )
-    if fields["fisher_weight"] < 0.0:
-        raise ValueError(
-            "config.method.fisher_weight must be >= 0 (0 turns the running "
-            f"linear erasure off), got {fields['fisher_weight']}."
-        )
-    if fields["fisher_weight"] > 0.0 and not (
-        method.objective == "mmd" and fields["mmd_whiten"]
+    for key, term in (
+        ("fisher_weight", "the running linear erasure"),
+        ("target_weight", "the erased targets"),
     ):
-        raise ValueError(
-            "config.method.fisher_weight > 0 reads the whitened MMD's running "
-            "covariance: set config.method.objective='mmd' and "
-            "config.method.mmd_whiten=True, or fisher_weight=0."
-        )
-    if fields["target_weight"] < 0.0:
-        raise ValueError(
-            "config.method.target_weight must be >= 0 (0 turns the erased "
-            f"targets off), got {fields['target_weight']}."
-        )
-    if fields["target_weight"] > 0.0 and not (
-        method.objective == "mmd" and fields["mmd_whiten"]
-    ):
-        raise ValueError(
-            "config.method.target_weight > 0 reads the whitened MMD's running "
-            "covariance: set config.method.objective='mmd' and "
-            "config.method.mmd_whiten=True, or target_weight=0."
-        )
+        if fields[key] < 0.0:
+            raise ValueError(
+                f"config.method.{key} must be >= 0 (0 turns {term} off), "
+                f"got {fields[key]}."
+            )
+        if fields[key] > 0.0 and not (
+            method.objective == "mmd" and fields["mmd_whiten"]
+        ):
+            raise ValueError(
+                f"config.method.{key} > 0 reads the whitened MMD's running "
+                "covariance: set config.method.objective='mmd' and "
+                f"config.method.mmd_whiten=True, or {key}=0."
+            )
     if fields["removal_warmup_steps"] < 0:
         raise ValueError(
             "config.method.removal_warmup_steps must be >= 0 (0: full removal "
