@@ -1,0 +1,256 @@
+"""Dense (phase-1) diffs: per-entry deltas behind hard-concrete gates.
+
+For each selected leaf a :class:`DiffState` holds a diff ``delta`` and gate
+locations ``log_alpha`` of the same shape (plus one scalar group gate per leaf
+in the structured variant). The effective params are ``base + z * delta``
+(:func:`apply_dense_diff`), the sparsity term is the expected L0
+(:func:`l0_penalty`). Pure transforms: the base is never modified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from moddiffy_jax.subnets.hard_concrete import (
+    HardConcrete,
+    deterministic_gates,
+    expected_l0,
+    sample_gates,
+)
+from moddiffy_jax.subnets.selection import (
+    map_subtree,
+    select,
+)
+
+PyTree = Any
+
+# -----------------------------------------------------------------------------
+# Dense (phase-1) diffs.
+# -----------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class DiffState:
+    """Trainable state of one dense hard-concrete diff (phase 1).
+
+    All fields are subtrees of the base params (nested dicts holding only the
+    selected leaves), so the state is a plain pytree for optax and Orbax.
+
+    Attributes:
+      delta: the diff; each leaf has the shape and dtype of its base leaf and
+        starts at zero.
+      log_alpha: gate locations, one per entry of ``delta`` (same shapes,
+        float32), initialised to ``hc.init_log_alpha``.
+      group_log_alpha: structured variant only: one float32 scalar (shape
+        ``()``) per selected leaf, same nested structure as ``delta``. An
+        empty dict in the unstructured case.
+    """
+
+    delta: PyTree
+    log_alpha: PyTree
+    group_log_alpha: PyTree
+
+    @property
+    def structured(self) -> bool:
+        """Whether the state carries one group gate per leaf."""
+        return bool(jax.tree.leaves(self.group_log_alpha))
+
+
+def init_diff(
+    params: PyTree,
+    include: str | Sequence[str],
+    *,
+    exclude: str | Sequence[str] = (),
+    hc: HardConcrete = HardConcrete(),
+    structured: bool = False,
+) -> DiffState:
+    """Creates a zero diff over the leaves of ``params`` selected by path rules.
+
+    Args:
+      params: the base parameter pytree (nested dicts).
+      include: regex rules (``re.fullmatch`` on "/"-joined paths) selecting
+        the leaves that get a diff.
+      exclude: regex rules removing leaves from the selection.
+      hc: hard-concrete hyperparameters (``init_log_alpha`` is used).
+      structured: also create one group gate per selected leaf (spec §2.4).
+
+    Returns:
+      A :class:`DiffState` whose ``delta`` is zeros shaped like the selected
+      leaves (their dtype), ``log_alpha`` float32 filled with
+      ``hc.init_log_alpha``, ``group_log_alpha`` scalars or ``{}``.
+
+    Raises:
+      ValueError: from the selection, if a rule matches nothing.
+    """
+    sub = select(params, include, exclude=exclude)
+    delta = jax.tree.map(jnp.zeros_like, sub)
+    log_alpha = jax.tree.map(
+        lambda x: jnp.full(jnp.shape(x), hc.init_log_alpha, jnp.float32), sub
+    )
+    group = (
+        jax.tree.map(lambda _: jnp.full((), hc.init_log_alpha, jnp.float32), sub)
+        if structured
+        else {}
+    )
+    return DiffState(delta=delta, log_alpha=log_alpha, group_log_alpha=group)
+
+
+def diff_gates(
+    state: DiffState,
+    rng: jax.Array | None,
+    *,
+    hc: HardConcrete = HardConcrete(),
+    train: bool,
+) -> PyTree:
+    """The gates ``z`` of a diff, one per entry of ``state.delta``.
+
+    In training, ``z`` is sampled with a distinct key per leaf (and, in the
+    structured variant, the group gates with keys from a second split of
+    ``rng``); otherwise it is the deterministic gate. Structured: ``z = z_elem
+    * z_group`` with the scalar group gate broadcast over the leaf.
+
+    Args:
+      state: the dense diff.
+      rng: a PRNG key; required when ``train`` is True, ignored otherwise.
+      hc: hard-concrete hyperparameters.
+      train: sample (True) or use the deterministic gate (False).
+
+    Returns:
+      A subtree shaped like ``state.delta`` with float32 gates in ``[0, 1]``.
+    """
+    structured = state.structured
+    if train:
+        if rng is None:
+            raise ValueError("diff_gates(train=True) needs an rng key.")
+        if structured:
+            rng, group_rng = jax.random.split(rng)
+            z_group = sample_gates(state.group_log_alpha, group_rng, hc=hc)
+        z = sample_gates(state.log_alpha, rng, hc=hc)
+    else:
+        z = deterministic_gates(state.log_alpha, hc=hc)
+        if structured:
+            z_group = deterministic_gates(state.group_log_alpha, hc=hc)
+    if structured:
+        z = jax.tree.map(lambda a, b: a * b, z, z_group)
+    return z
+
+
+def apply_dense_diff(
+    base: PyTree,
+    state: DiffState,
+    *,
+    rng: jax.Array | None = None,
+    hc: HardConcrete = HardConcrete(),
+    train: bool,
+    straight_through: bool = True,
+) -> PyTree:
+    """Effective params ``base + z * delta`` on the selected leaves.
+
+    Pure: ``base`` is not modified and its unselected leaves are returned as
+    they are. The value is ``base + z * delta`` in both modes; they differ in
+    the gradient reaching ``delta`` (``g`` is the gradient wrt the effective
+    leaf):
+
+    * ``straight_through=True`` (MoDDiffy [M], spec §2.1/§13.1): built as
+      ``base + z * delta + (delta - stop_gradient(delta))``, which equals the
+      reference's ``f - sg(f - w0) + z * (f - w0)`` with ``f = w0 + delta``.
+      Gradient wrt ``delta`` is ``(1 + z) * g``: entries whose gate is closed
+      keep learning, as in full fine-tuning.
+    * ``straight_through=False`` (DiffPruning [G]): gradient wrt ``delta`` is
+      ``z * g``.
+
+    In both, the gradient wrt ``log_alpha`` is ``g * delta * dz/dlog_alpha``.
+
+    Args:
+      base: the frozen parameter pytree.
+      state: the dense diff (subtrees of ``base``).
+      rng: a PRNG key; required when ``train`` is True.
+      hc: hard-concrete hyperparameters.
+      train: sample the gates (True) or use deterministic gates (False).
+      straight_through: the gradient convention above.
+
+    Returns:
+      A pytree with the structure, shapes and dtypes of ``base``.
+    """
+    z = diff_gates(state, rng, hc=hc, train=train)
+
+    def combine(w0, delta, gate):
+        gated = gate.astype(delta.dtype) * delta
+        out = w0 + gated
+        if straight_through:
+            out = out + (delta - jax.lax.stop_gradient(delta))
+        return out.astype(jnp.result_type(w0))
+
+    return map_subtree(combine, base, state.delta, z)
+
+
+def l0_penalty(state: DiffState, *, hc: HardConcrete = HardConcrete()) -> jax.Array:
+    """Expected number of open gates: ``sum sigmoid(log_alpha - beta log(-l/r))``.
+
+    This is the references' additive form (spec §2.3/§2.4): in the structured
+    variant each leaf's group gate adds its own ``P(z_group > 0)`` once per
+    tensor, ``sum_i P(z_i > 0) + P(z_group > 0)``, rather than the product
+    ``sum_i P(z_i > 0) P(z_group > 0)``. Scale it by the penalty weight
+    (1.25e-7 in the references) outside.
+
+    Args:
+      state: the dense diff.
+      hc: hard-concrete hyperparameters.
+
+    Returns:
+      A float32 scalar.
+    """
+    return expected_l0(state.log_alpha, hc=hc) + expected_l0(
+        state.group_log_alpha, hc=hc
+    )
+
+
+def dense_diff_values(state: DiffState, *, hc: HardConcrete = HardConcrete()) -> PyTree:
+    """The diff in evaluation mode: deterministic ``z * delta`` (what pruning ranks).
+
+    Args:
+      state: the dense diff.
+      hc: hard-concrete hyperparameters.
+
+    Returns:
+      A subtree shaped like ``state.delta`` (same dtypes).
+    """
+    z = diff_gates(state, None, hc=hc, train=False)
+    return jax.tree.map(lambda d, g: g.astype(d.dtype) * d, state.delta, z)
+
+
+#: Gate location of a closed entry: its deterministic gate and every sample
+#: are exactly 0 (the noise's log-odds are bounded by ``log((1 - eps) / eps)``),
+#: so the entry gets no gradient and stays closed.
+CLOSED_LOG_ALPHA = -50.0
+
+
+def close_gates(state: DiffState, keep: PyTree) -> DiffState:
+    """Closes every entry outside ``keep``: ``delta = 0`` and a shut gate.
+
+    Gradual pruning inside the L0 phase (a host-side transform between jitted
+    steps) uses this, so the later exact cut finds the budget already met.
+
+    Args:
+      state: an unstructured dense diff.
+      keep: bool subtree shaped like ``state.delta``; True keeps the entry.
+
+    Returns:
+      The new state (``state`` is not modified).
+    """
+    if state.structured:
+        raise ValueError("close_gates supports unstructured diffs only.")
+    delta = jax.tree.map(
+        lambda d, k: jnp.where(k, d, jnp.zeros_like(d)), state.delta, keep
+    )
+    log_alpha = jax.tree.map(
+        lambda la, k: jnp.where(k, la, jnp.asarray(CLOSED_LOG_ALPHA, la.dtype)),
+        state.log_alpha,
+        keep,
+    )
+    return state.replace(delta=delta, log_alpha=log_alpha)
