@@ -147,3 +147,22 @@ class RunCheckpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def load_core_run(run_dir: str) -> tuple[Any, Any, str]:
+    """Core encoder params and task head exported by a finetune run."""
+    if not run_dir:
+        raise ValueError(
+            "moddiffy_post needs config.method.core_run: the workdir of a finished "
+            "finetune run of this library (it holds export/core.safetensors)."
+        )
+    export = Path(run_dir) / "export"
+    for name in ("core.safetensors", "task_head.safetensors"):
+        if not (export / name).is_file():
+            raise FileNotFoundError(
+                f"{export / name} is missing: config.method.core_run must be a "
+                "finished finetune run (train it with configs/finetune.py first)."
+            )
+    core, meta = load_params(export / "core.safetensors")
+    head, _ = load_params(export / "task_head.safetensors")
+    return core, head, meta.get("fingerprint", "")

@@ -13,8 +13,6 @@ budget) -> fixmask phase -> exported files and ``results.json``.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import json
 import math
 import os
@@ -30,287 +28,40 @@ import numpy as np
 from absl import logging
 
 from moddiffy_jax import checkpoints, parallel
+
+# Re-exported: the run context, the run directory and the evaluator live in
+# their own modules; ``train.build_context`` and friends keep working.
+from moddiffy_jax.context import (  # noqa: F401
+    Context,
+    build_context,
+    check_same_structure,
+    diff_rules,
+    is_vision,
+)
+from moddiffy_jax.eval.evaluator import Evaluator, composition_table  # noqa: F401
 from moddiffy_jax.methods import common, removal, srnets
 from moddiffy_jax.methods import registry as method_registry
 from moddiffy_jax.subnets import diffs as diffs_lib
-from moddiffy_jax.subnets import hard_concrete, selection
 from moddiffy_jax.subnets import masks as masks_lib
-
-# Config keys whose change does not make a different run (how long to log,
-# where to stop for a simulated preemption, ...).
-_VOLATILE_KEYS = ("train.stop_at_step", "train.log_every", "train.progress")
-
+from moddiffy_jax.subnets import selection
+from moddiffy_jax.workdir import (  # noqa: F401
+    MetricWriter,
+    Preempted,
+    config_to_dict,
+    prepare_workdir,
+    progress_bar,
+)
 
 # --------------------------------------------------------------------------
 # Run directory.
-
-
-def _flat_config(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out.update(_flat_config(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def config_to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """A JSON-able dict of the resolved config (tuples become lists)."""
-    return json.loads(config.to_json_best_effort(sort_keys=True))
-
-
-def prepare_workdir(config: ml_collections.ConfigDict, workdir: Path) -> None:
-    """Creates ``workdir`` or checks it holds a run of the same config.
-
-    Raises:
-      ValueError: if ``workdir`` holds a run with a different config; nothing
-        in it is touched.
-    """
-    workdir.mkdir(parents=True, exist_ok=True)
-    path = workdir / "config.json"
-    new = config_to_dict(config)
-    if path.exists():
-        old = json.loads(path.read_text())
-        a, b = _flat_config(old), _flat_config(new)
-        changed = sorted(
-            k
-            for k in set(a) | set(b)
-            if a.get(k) != b.get(k) and k not in _VOLATILE_KEYS
-        )
-        if changed:
-            details = ", ".join(
-                f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed[:8]
-            )
-            raise ValueError(
-                f"{workdir} already holds a run with a different config ({details}). "
-                "Use a new --workdir, or delete this one if you no longer need it."
-            )
-    if jax.process_index() == 0:
-        checkpoints.write_json_atomic(path, new)
-
-
-class MetricWriter:
-    """JSON lines plus TensorBoard scalars under the run directory."""
-
-    def __init__(self, workdir: Path):
-        self.path = workdir / "metrics.jsonl"
-        self.tb = None
-        if jax.process_index() != 0:
-            return
-        try:
-            from tensorboardX import SummaryWriter
-
-            self.tb = SummaryWriter(str(workdir / "tb"))
-        except ImportError:  # pragma: no cover - tensorboardX is a dependency
-            self.tb = None
-
-    def write(self, step: int, record: Mapping[str, Any]) -> None:
-        if jax.process_index() != 0:
-            return
-        record = {"step": int(step), **record}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
-        if self.tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self.tb.add_scalar(k, v, step)
-            self.tb.flush()
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
 
 
 # --------------------------------------------------------------------------
 # Context: data, model, pretrained params.
 
 
-@dataclasses.dataclass
-class Context:
-    config: ml_collections.ConfigDict
-    method: common.MethodDef
-    data: Any
-    model: Any
-    pretrained: Any
-    attributes: tuple[str, ...]
-    mesh: Any
-    diff_settings: common.DiffSettings
-    debias: removal.DebiasSettings | None
-
-
-def is_vision(config: ml_collections.ConfigDict) -> bool:
-    """Whether ``config.data.source`` is an image benchmark (data/vision.py)."""
-    from moddiffy_jax.data import vision as vision_data
-
-    return config.data.source in vision_data.VISION_SOURCES
-
-
-def build_context(config: ml_collections.ConfigDict) -> Context:
-    from moddiffy_jax import data as data_lib
-    from moddiffy_jax.models import text as text_lib
-
-    method = method_registry.get_method(config.method.name)
-    if config.method.task_loss not in common.TASK_LOSSES:
-        raise ValueError(
-            f"config.method.task_loss={config.method.task_loss!r}; valid: "
-            f"{list(common.TASK_LOSSES)}."
-        )
-    if method.encoder in common.SUBNETWORK_MODES:
-        srnets.check_config(config)
-    vision = is_vision(config)
-    if vision:
-        from moddiffy_jax.data import vision as vision_data
-
-        if method.debias != "none" or method.encoder not in ("full", "frozen"):
-            raise ValueError(
-                f"Method {method.name!r} is for text encoders; on image data use "
-                "finetune (vanilla training) or ffw (configs/ffw_*.py)."
-            )
-        dataset = vision_data.build_vision_dataset(config.data)
-    else:
-        tokenizer = text_lib.load_tokenizer_for(config.model)
-        dataset = data_lib.build_dataset(config.data, tokenizer)
-    attributes = tuple(config.method.attributes) or tuple(dataset.attr_classes)
-    unknown = [a for a in attributes if a not in dataset.attr_classes]
-    if unknown:
-        raise ValueError(
-            f"config.method.attributes names {unknown}, which the dataset does "
-            f"not have; its attributes are {sorted(dataset.attr_classes)}."
-        )
-    attr_classes = {a: len(dataset.attr_classes[a]) for a in attributes}
-    if vision:
-        from moddiffy_jax.models import vision as vision_models
-
-        model, pretrained = vision_models.build_vision_model(
-            config.model.vision,
-            num_task_classes=len(dataset.task_classes),
-            image_shape=dataset.image_shape,
-            rng=jax.random.PRNGKey(config.seed),
-        )
-    else:
-        model, pretrained = text_lib.build_model(
-            config.model,
-            num_task_classes=len(dataset.task_classes),
-            attr_classes=attr_classes,
-            adversary=config.method.adversary,
-            rng=jax.random.PRNGKey(config.seed),
-            with_adapters=method.encoder == "adapter",
-        )
-    hc = hard_concrete.HardConcrete(
-        left=config.diff.left,
-        right=config.diff.right,
-        temperature=config.diff.temperature,
-        init_log_alpha=config.diff.init_log_alpha,
-    )
-    _check_prune_config(config.diff)
-    diff_settings = common.DiffSettings(
-        hc=hc,
-        straight_through=config.diff.straight_through,
-        l0_weight=config.diff.l0_weight,
-    )
-    debias = None
-    if method.debias != "none":
-        debias = removal.settings_from_config(
-            config.method,
-            attr_classes=attr_classes,
-            attr_prior=_attr_tables(dataset, attributes, conditional=True),
-            attr_joint=_attr_tables(dataset, attributes, conditional=False),
-            num_task_classes=len(dataset.task_classes),
-            batch_size=config.train.batch_size,
-        )
-    if config.method.task_loss == "conf_reg":
-        dataset = _with_teacher_probs(config, dataset, model)
-    mesh = parallel.make_mesh(config.num_devices or None)
-    parallel.check_batch_size(config.train.batch_size, mesh)
-    return Context(
-        config=config,
-        method=method,
-        data=dataset,
-        model=model,
-        pretrained=pretrained,
-        attributes=attributes,
-        mesh=mesh,
-        diff_settings=diff_settings,
-        debias=debias,
-    )
-
-
-def _attr_tables(dataset, attributes, *, conditional: bool) -> dict[str, tuple]:
-    """Per attribute, on train (add-one smoothed), as [T][C] nested tuples:
-    P(attribute | task label) if ``conditional``, else P(task, attribute)."""
-    train = dataset.splits["train"]
-    out = {}
-    for a in attributes:
-        counts = np.ones((len(dataset.task_classes), len(dataset.attr_classes[a])))
-        np.add.at(counts, (np.asarray(train.task), np.asarray(train.attrs[a])), 1.0)
-        counts /= counts.sum(1, keepdims=True) if conditional else counts.sum()
-        out[a] = tuple(tuple(float(x) for x in row) for row in counts)
-    return out
-
-
-def _with_teacher_probs(config, dataset, model):
-    """Attaches ``teacher_probs`` of ``config.method.teacher_run`` to the train split.
-
-    Confidence regularization distils a standard fine-tuned teacher (spec
-    A7); its probabilities are computed here, deterministically (no dropout),
-    once per run, rather than read from a file written by another script.
-    """
-    from moddiffy_jax.data import dataset as dataset_lib
-    from moddiffy_jax.data import eval_batches
-
-    if not config.method.teacher_run:
-        raise ValueError(
-            "config.method.task_loss='conf_reg' needs config.method.teacher_run: "
-            "the workdir of a finished finetune run (with task_loss='ce'), whose "
-            "model is the teacher."
-        )
-    core, head, _ = _load_core_run(config.method.teacher_run)
-
-    @jax.jit
-    def probs_fn(batch):
-        h = model.represent(core, batch, None, False)
-        return jax.nn.softmax(model.task_logits(head, h, None, False), axis=-1)
-
-    train = dataset.splits["train"]
-    out = []
-    for batch in eval_batches(train, config.eval.batch_size):
-        p = np.asarray(probs_fn(_model_inputs(batch)))
-        out.append(p[batch["weight"] > 0])
-    probs = np.concatenate(out).astype(np.float32)
-    splits = dict(dataset.splits)
-    splits["train"] = dataset_lib.with_extras(train, teacher_probs=probs)
-    return dataclasses.replace(dataset, splits=splits)
-
-
 # --------------------------------------------------------------------------
 # State construction and phase transitions (host side, pure).
-
-
-def _load_core_run(run_dir: str) -> tuple[Any, Any, str]:
-    """Core encoder params and task head exported by a finetune run."""
-    if not run_dir:
-        raise ValueError(
-            "moddiffy_post needs config.method.core_run: the workdir of a finished "
-            "finetune run of this library (it holds export/core.safetensors)."
-        )
-    export = Path(run_dir) / "export"
-    for name in ("core.safetensors", "task_head.safetensors"):
-        if not (export / name).is_file():
-            raise FileNotFoundError(
-                f"{export / name} is missing: config.method.core_run must be a "
-                "finished finetune run (train it with configs/finetune.py first)."
-            )
-    core, meta = checkpoints.load_params(export / "core.safetensors")
-    head, _ = checkpoints.load_params(export / "task_head.safetensors")
-    return core, head, meta.get("fingerprint", "")
-
-
-def diff_rules(
-    config: ml_collections.ConfigDict,
-) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    return tuple(config.diff.include), tuple(config.diff.exclude)
 
 
 def init_state(ctx: Context, rng: jax.Array) -> tuple[dict, dict]:
@@ -324,8 +75,8 @@ def init_state(ctx: Context, rng: jax.Array) -> tuple[dict, dict]:
     frozen: dict[str, Any] = {}
     encoder = ctx.pretrained
     if method.encoder == "frozen":
-        encoder, head, _ = _load_core_run(cfg.method.core_run)
-        _check_same_structure(encoder, ctx.pretrained, cfg.method.core_run)
+        encoder, head, _ = checkpoints.load_core_run(cfg.method.core_run)
+        check_same_structure(encoder, ctx.pretrained, cfg.method.core_run)
         frozen["task_head"] = head
     else:
         trainable["task_head"] = model.init_task_head(r_head)
@@ -398,8 +149,8 @@ def _init_srnets_state(ctx: Context, rng: jax.Array) -> tuple[dict, dict]:
                 "srnets_retrain fine-tunes the pretrained encoder with a found mask; "
                 "leave config.method.core_run empty and set config.srnets.mask_run."
             )
-        encoder, head, _ = _load_core_run(cfg.method.core_run)
-        _check_same_structure(encoder, ctx.pretrained, cfg.method.core_run)
+        encoder, head, _ = checkpoints.load_core_run(cfg.method.core_run)
+        check_same_structure(encoder, ctx.pretrained, cfg.method.core_run)
     else:
         encoder, head = ctx.pretrained, ctx.model.init_task_head(rng)
     if method.encoder == "mask":
@@ -415,17 +166,6 @@ def _init_srnets_state(ctx: Context, rng: jax.Array) -> tuple[dict, dict]:
         "task_head": head,
     }
     return jax.tree.map(jnp.copy, trainable), {"masks": keep, "start": encoder}
-
-
-def _check_same_structure(a: Any, b: Any, where: str) -> None:
-    fa = {k: np.shape(v) for k, v in selection.flatten(a).items()}
-    fb = {k: np.shape(v) for k, v in selection.flatten(b).items()}
-    if fa != fb:
-        bad = sorted(k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k))
-        raise ValueError(
-            f"The core of {where} does not match the configured model "
-            f"(differing tensors: {bad[:6]}). Use the same config.model as that run."
-        )
 
 
 def diff_keys(method: common.MethodDef, attributes: Sequence[str]) -> list[common.Key]:
@@ -569,99 +309,6 @@ def _subnetwork_keep(ctx: Context, trainable: Mapping, frozen: Mapping) -> Any:
 # Evaluation.
 
 
-class Evaluator:
-    """Deterministic task accuracy of any encoder-params configuration."""
-
-    def __init__(self, ctx: Context):
-        self.ctx = ctx
-        model = ctx.model
-
-        def logits_fn(enc_params, head_params, batch):
-            h = model.represent(enc_params, batch, None, False)
-            return model.task_logits(head_params, h, None, False)
-
-        self._logits = jax.jit(logits_fn)
-        self._apply_packed = jax.jit(diffs_lib.apply_packed)
-
-    def compose(
-        self,
-        base: Any,
-        diffs: Sequence[diffs_lib.SparseDiff],
-        weights: Sequence[float] | None = None,
-    ) -> Any:
-        """``base + sum_k w_k diff_k``; one compiled program for any weights."""
-        if not diffs:
-            return base
-        packed, _ = diffs_lib.pack_diffs(list(diffs))
-        w = jnp.asarray(weights if weights is not None else [1.0] * len(diffs))
-        return self._apply_packed(base, packed, w.astype(jnp.float32))
-
-    def predict(self, enc_params: Any, head_params: Any, split: Any) -> np.ndarray:
-        """Task predictions (int [N], row order) on a split object."""
-        from moddiffy_jax.data import eval_batches
-
-        out = []
-        for batch in eval_batches(split, self.ctx.config.eval.batch_size):
-            logits = self._logits(enc_params, head_params, _model_inputs(batch))
-            out.append(np.asarray(jnp.argmax(logits, -1))[batch["weight"] > 0])
-        return np.concatenate(out)
-
-    def task_accuracy(self, enc_params: Any, head_params: Any, split: str) -> float:
-        from moddiffy_jax.data import eval_batches
-
-        data = self.ctx.data.splits[split]
-        correct, total = 0.0, 0.0
-        for batch in eval_batches(data, self.ctx.config.eval.batch_size):
-            w = batch["weight"]
-            logits = self._logits(enc_params, head_params, _model_inputs(batch))
-            pred = np.asarray(jnp.argmax(logits, -1))
-            correct += float(np.sum((pred == batch["task"]) * w))
-            total += float(np.sum(w))
-        return correct / max(total, 1.0)
-
-
-_LABEL_KEYS = ("task", "attrs", "weight", "extras")
-
-
-def _model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """The model-input part of a batch (token ids, or images)."""
-    return {k: v for k, v in batch.items() if k not in _LABEL_KEYS}
-
-
-def composition_table(
-    ctx: Context,
-    evaluator: Evaluator,
-    core: Any,
-    head: Any,
-    sparse: Mapping[str, diffs_lib.SparseDiff],
-    splits: Sequence[str],
-    params_out: dict[str, Any] | None = None,
-) -> dict[str, dict[str, float]]:
-    """Task accuracy for the core, each diff, and every larger subset of diffs.
-
-    ``params_out``, if given, receives ``label -> (encoder params, head)``.
-    """
-    names = [n for n in sparse if n != "task"]
-    base = core
-    if "task" in sparse:  # DiffPrun: the task diff is part of the model itself.
-        base = evaluator.compose(core, [sparse["task"]])
-    rows = {}
-    subsets = [()] + [
-        c for r in range(1, len(names) + 1) for c in itertools.combinations(names, r)
-    ]
-    attr_diffs = [sparse[n] for n in names]
-    for subset in subsets:
-        weights = [1.0 if n in subset else 0.0 for n in names]
-        params = evaluator.compose(base, attr_diffs, weights) if names else base
-        label = "core" if not subset else "core+" + "+".join(subset)
-        rows[label] = {
-            f"{s}_task_acc": evaluator.task_accuracy(params, head, s) for s in splits
-        }
-        if params_out is not None:
-            params_out[label] = (params, head)
-    return rows
-
-
 # --------------------------------------------------------------------------
 # The loop.
 
@@ -707,9 +354,9 @@ def train_and_evaluate(
     from moddiffy_jax.data import TrainIterator
 
     if config.method.name in method_registry.DRIVER_METHODS:
-        from moddiffy_jax.methods import ffw
+        from moddiffy_jax import surgery
 
-        return ffw.run_ffw(config, workdir)
+        return surgery.run_ffw(config, workdir)
     workdir = Path(workdir)
     prepare_workdir(config, workdir)
     wall_start = time.time()
@@ -749,7 +396,7 @@ def train_and_evaluate(
         logging.info("Resuming from step %d (phase %s).", latest, meta["phase"])
 
     total_steps = sum(_phase_steps(config, p) for p in phases)
-    progress = _progress_bar(config, total_steps, global_step)
+    progress = progress_bar(config, total_steps, global_step)
     try:
         for pi in range(phase_index, len(phases)):
             phase = phases[pi]
@@ -914,31 +561,6 @@ def train_and_evaluate(
     return results
 
 
-PRUNE_SCHEDULES = ("gradual", "final")
-PRUNE_SCORES = ("magnitude", "taylor")
-
-
-def _check_prune_config(d: ml_collections.ConfigDict) -> None:
-    """Fails at start-up, not at the first pruning event, on a bad diff config.
-
-    Runs made before these fields existed (their config.json lacks them) used
-    the final cut with magnitude scores.
-    """
-    schedule = d.get("prune_schedule", "final")
-    score = d.get("prune_score", "magnitude")
-    for key, value, valid in (
-        ("prune_schedule", schedule, PRUNE_SCHEDULES),
-        ("prune_score", score, PRUNE_SCORES),
-    ):
-        if value not in valid:
-            raise ValueError(f"config.diff.{key}={value!r} is not one of {valid}.")
-    if schedule == "gradual" and d.structured:
-        raise ValueError(
-            "config.diff.prune_schedule='gradual' prunes entries, not whole "
-            "tensors: set config.diff.prune_schedule='final' with diff.structured."
-        )
-
-
 def _gradual_keep(config, phase_step: int, n_steps: int) -> float | None:
     """The kept fraction to prune to after L0 step ``phase_step``, or None.
 
@@ -1008,14 +630,6 @@ def _reset_thresholds(state: common.TrainState, sparsity: jax.Array):
     return state.replace(trainable=srnets.reset_thresholds(state.trainable, sparsity))
 
 
-class Preempted(RuntimeError):
-    """Raised when ``config.train.stop_at_step`` simulates a preemption."""
-
-    def __init__(self, step: int):
-        super().__init__(f"Stopped at step {step} (config.train.stop_at_step).")
-        self.step = step
-
-
 def _values_like(trainable: dict, indices: Mapping, ctx: Context) -> dict:
     """Zero values shaped like the restored indices (targets for restoring)."""
     for key in diff_keys(ctx.method, ctx.attributes):
@@ -1026,18 +640,6 @@ def _values_like(trainable: dict, indices: Mapping, ctx: Context) -> dict:
             trainable, key, jax.tree.map(lambda i, d=dtype: jnp.zeros(i.shape, d), idx)
         )
     return trainable
-
-
-def _progress_bar(config, total: int, initial: int):
-    from tqdm.auto import tqdm
-
-    return tqdm(
-        total=total,
-        initial=initial,
-        desc=config.method.name,
-        disable=not config.train.progress,
-        dynamic_ncols=True,
-    )
 
 
 def _core_and_head(

@@ -13,7 +13,7 @@ import optax
 import pytest
 import safetensors.numpy
 
-from moddiffy_jax import checkpoints, train
+from moddiffy_jax import checkpoints, surgery, train
 from moddiffy_jax.config_lib import experiment_config
 from moddiffy_jax.methods import ffw
 from moddiffy_jax.objectives.classification import cross_entropy
@@ -267,7 +267,7 @@ def test_ph_epoch_matches_sequential_steps():
     labels = {a: jnp.asarray(rng.integers(0, n, 10)) for a, n in ATTRS.items()}
     ph = ffw.init_bias_heads(jax.random.PRNGKey(1), 6, ATTRS)
     opt = ffw.make_ph_optimizer(ffw.default_ffw_config())
-    idx, w = ffw._epoch_batches(10, 4, (0, 1))
+    idx, w = ffw.epoch_batches(10, 4, (0, 1))
     assert (
         idx.shape == (3, 4)
         and w.sum() == 10
@@ -467,9 +467,9 @@ def test_run_writes_outputs_and_the_diff_is_the_pruning(core_run, ffw_run):
 def test_resume_equals_uninterrupted(core_run, ffw_run, tmp_path):
     ref_dir, ref = ffw_run
     with pytest.raises(train.Preempted):
-        ffw.run_ffw(ffw_config(core_run, {"stop_at_step": 2}), tmp_path)
+        surgery.run_ffw(ffw_config(core_run, {"stop_at_step": 2}), tmp_path)
     assert not (tmp_path / "results.json").exists()
-    results = ffw.run_ffw(ffw_config(core_run), tmp_path)
+    results = surgery.run_ffw(ffw_config(core_run), tmp_path)
 
     def strip(x):
         if isinstance(x, dict):
@@ -495,7 +495,7 @@ def test_resume_equals_uninterrupted(core_run, ffw_run, tmp_path):
 
 def test_structured_selection_and_followers_on_bert(core_run):
     config = ffw_config(core_run, structured=True)
-    core, head, _ = train._load_core_run(str(core_run))
+    core, head, _ = checkpoints.load_core_run(str(core_run))
     cfg = config.ffw
     ctx_model = object()  # no prunable_rule / structured_followers: text defaults
     include, exclude, paths = ffw.gate_selection(cfg, ctx_model, core, head)

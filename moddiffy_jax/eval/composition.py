@@ -412,13 +412,14 @@ def evaluate_run(
     Returns:
       The results (also written to ``workdir/eval/results.json``).
     """
-    from moddiffy_jax import train
+    from moddiffy_jax.context import build_context
+    from moddiffy_jax.eval.evaluator import Evaluator
 
     start = time.time()
     workdir = Path(workdir)
     config = load_run_config(workdir)
     art = load_artifacts(workdir)
-    ctx = train.build_context(config)
+    ctx = build_context(config)
     if ctx.attributes:
         missing = [s for s in SPLITS if s not in ctx.data.splits]
         if missing:
@@ -444,7 +445,7 @@ def evaluate_run(
             f"Weights given for {unknown}, which are not diffs of this run "
             f"(its diffs: {art.attribute_diffs})."
         )
-    evaluator = train.Evaluator(ctx)
+    evaluator = Evaluator(ctx)
     base = art.core
     if "task" in art.diffs:  # DiffPrun: the task diff is part of the model.
         base = evaluator.compose(art.core, [art.diffs["task"]])

@@ -20,7 +20,7 @@ METHODS: dict[str, common.MethodDef] = {
     for m in family.METHODS
 }
 # Structurally different loops that share the config, data, model, checkpoints
-# and export layout but own their driver (FFW: ``methods.ffw.run_ffw``).
+# and export layout but own their driver (FFW: ``moddiffy_jax.surgery.run_ffw``).
 DRIVER_METHODS = ("ffw",)
 
 

@@ -1,0 +1,222 @@
+"""The run context: data, model, pretrained params and settings, built from a config.
+
+``build_context(config)`` validates the config against its method and the
+dataset (unknown attributes, prune settings, task losses) and builds what
+every training loop and evaluation needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from moddiffy_jax import checkpoints, parallel
+from moddiffy_jax.eval.evaluator import model_inputs
+from moddiffy_jax.methods import common, removal, srnets
+from moddiffy_jax.methods import registry as method_registry
+from moddiffy_jax.subnets import hard_concrete, selection
+
+
+@dataclasses.dataclass
+class Context:
+    config: ml_collections.ConfigDict
+    method: common.MethodDef
+    data: Any
+    model: Any
+    pretrained: Any
+    attributes: tuple[str, ...]
+    mesh: Any
+    diff_settings: common.DiffSettings
+    debias: removal.DebiasSettings | None
+
+
+def is_vision(config: ml_collections.ConfigDict) -> bool:
+    """Whether ``config.data.source`` is an image benchmark (data/vision.py)."""
+    from moddiffy_jax.data import vision as vision_data
+
+    return config.data.source in vision_data.VISION_SOURCES
+
+
+def build_context(config: ml_collections.ConfigDict) -> Context:
+    from moddiffy_jax import data as data_lib
+    from moddiffy_jax.models import text as text_lib
+
+    method = method_registry.get_method(config.method.name)
+    if config.method.task_loss not in common.TASK_LOSSES:
+        raise ValueError(
+            f"config.method.task_loss={config.method.task_loss!r}; valid: "
+            f"{list(common.TASK_LOSSES)}."
+        )
+    if method.encoder in common.SUBNETWORK_MODES:
+        srnets.check_config(config)
+    vision = is_vision(config)
+    if vision:
+        from moddiffy_jax.data import vision as vision_data
+
+        if method.debias != "none" or method.encoder not in ("full", "frozen"):
+            raise ValueError(
+                f"Method {method.name!r} is for text encoders; on image data use "
+                "finetune (vanilla training) or ffw (configs/ffw_*.py)."
+            )
+        dataset = vision_data.build_vision_dataset(config.data)
+    else:
+        tokenizer = text_lib.load_tokenizer_for(config.model)
+        dataset = data_lib.build_dataset(config.data, tokenizer)
+    attributes = tuple(config.method.attributes) or tuple(dataset.attr_classes)
+    unknown = [a for a in attributes if a not in dataset.attr_classes]
+    if unknown:
+        raise ValueError(
+            f"config.method.attributes names {unknown}, which the dataset does "
+            f"not have; its attributes are {sorted(dataset.attr_classes)}."
+        )
+    attr_classes = {a: len(dataset.attr_classes[a]) for a in attributes}
+    if vision:
+        from moddiffy_jax.models import vision as vision_models
+
+        model, pretrained = vision_models.build_vision_model(
+            config.model.vision,
+            num_task_classes=len(dataset.task_classes),
+            image_shape=dataset.image_shape,
+            rng=jax.random.PRNGKey(config.seed),
+        )
+    else:
+        model, pretrained = text_lib.build_model(
+            config.model,
+            num_task_classes=len(dataset.task_classes),
+            attr_classes=attr_classes,
+            adversary=config.method.adversary,
+            rng=jax.random.PRNGKey(config.seed),
+            with_adapters=method.encoder == "adapter",
+        )
+    hc = hard_concrete.HardConcrete(
+        left=config.diff.left,
+        right=config.diff.right,
+        temperature=config.diff.temperature,
+        init_log_alpha=config.diff.init_log_alpha,
+    )
+    check_prune_config(config.diff)
+    diff_settings = common.DiffSettings(
+        hc=hc,
+        straight_through=config.diff.straight_through,
+        l0_weight=config.diff.l0_weight,
+    )
+    debias = None
+    if method.debias != "none":
+        debias = removal.settings_from_config(
+            config.method,
+            attr_classes=attr_classes,
+            attr_prior=_attr_tables(dataset, attributes, conditional=True),
+            attr_joint=_attr_tables(dataset, attributes, conditional=False),
+            num_task_classes=len(dataset.task_classes),
+            batch_size=config.train.batch_size,
+        )
+    if config.method.task_loss == "conf_reg":
+        dataset = _with_teacher_probs(config, dataset, model)
+    mesh = parallel.make_mesh(config.num_devices or None)
+    parallel.check_batch_size(config.train.batch_size, mesh)
+    return Context(
+        config=config,
+        method=method,
+        data=dataset,
+        model=model,
+        pretrained=pretrained,
+        attributes=attributes,
+        mesh=mesh,
+        diff_settings=diff_settings,
+        debias=debias,
+    )
+
+
+def _attr_tables(dataset, attributes, *, conditional: bool) -> dict[str, tuple]:
+    """Per attribute, on train (add-one smoothed), as [T][C] nested tuples:
+    P(attribute | task label) if ``conditional``, else P(task, attribute)."""
+    train = dataset.splits["train"]
+    out = {}
+    for a in attributes:
+        counts = np.ones((len(dataset.task_classes), len(dataset.attr_classes[a])))
+        np.add.at(counts, (np.asarray(train.task), np.asarray(train.attrs[a])), 1.0)
+        counts /= counts.sum(1, keepdims=True) if conditional else counts.sum()
+        out[a] = tuple(tuple(float(x) for x in row) for row in counts)
+    return out
+
+
+def _with_teacher_probs(config, dataset, model):
+    """Attaches ``teacher_probs`` of ``config.method.teacher_run`` to the train split.
+
+    Confidence regularization distils a standard fine-tuned teacher (spec
+    A7); its probabilities are computed here, deterministically (no dropout),
+    once per run, rather than read from a file written by another script.
+    """
+    from moddiffy_jax.data import dataset as dataset_lib
+    from moddiffy_jax.data import eval_batches
+
+    if not config.method.teacher_run:
+        raise ValueError(
+            "config.method.task_loss='conf_reg' needs config.method.teacher_run: "
+            "the workdir of a finished finetune run (with task_loss='ce'), whose "
+            "model is the teacher."
+        )
+    core, head, _ = checkpoints.load_core_run(config.method.teacher_run)
+
+    @jax.jit
+    def probs_fn(batch):
+        h = model.represent(core, batch, None, False)
+        return jax.nn.softmax(model.task_logits(head, h, None, False), axis=-1)
+
+    train = dataset.splits["train"]
+    out = []
+    for batch in eval_batches(train, config.eval.batch_size):
+        p = np.asarray(probs_fn(model_inputs(batch)))
+        out.append(p[batch["weight"] > 0])
+    probs = np.concatenate(out).astype(np.float32)
+    splits = dict(dataset.splits)
+    splits["train"] = dataset_lib.with_extras(train, teacher_probs=probs)
+    return dataclasses.replace(dataset, splits=splits)
+
+
+def diff_rules(
+    config: ml_collections.ConfigDict,
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return tuple(config.diff.include), tuple(config.diff.exclude)
+
+
+def check_same_structure(a: Any, b: Any, where: str) -> None:
+    fa = {k: np.shape(v) for k, v in selection.flatten(a).items()}
+    fb = {k: np.shape(v) for k, v in selection.flatten(b).items()}
+    if fa != fb:
+        bad = sorted(k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k))
+        raise ValueError(
+            f"The core of {where} does not match the configured model "
+            f"(differing tensors: {bad[:6]}). Use the same config.model as that run."
+        )
+
+
+PRUNE_SCHEDULES = ("gradual", "final")
+
+
+PRUNE_SCORES = ("magnitude", "taylor")
+
+
+def check_prune_config(d: ml_collections.ConfigDict) -> None:
+    """Fails at start-up, not at the first pruning event, on a bad diff config.
+
+    Runs made before these fields existed (their config.json lacks them) used
+    the final cut with magnitude scores.
+    """
+    schedule = d.get("prune_schedule", "final")
+    score = d.get("prune_score", "magnitude")
+    for key, value, valid in (
+        ("prune_schedule", schedule, PRUNE_SCHEDULES),
+        ("prune_score", score, PRUNE_SCORES),
+    ):
+        if value not in valid:
+            raise ValueError(f"config.diff.{key}={value!r} is not one of {valid}.")
+    if schedule == "gradual" and d.structured:
+        raise ValueError(
+            "config.diff.prune_schedule='gradual' prunes entries, not whole "
+            "tensors: set config.diff.prune_schedule='final' with diff.structured."
+        )

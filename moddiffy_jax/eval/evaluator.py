@@ -1,0 +1,109 @@
+"""Deterministic task accuracy of any encoder params, and the composition table."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moddiffy_jax.subnets import diffs as diffs_lib
+
+if TYPE_CHECKING:
+    from moddiffy_jax.context import Context
+
+
+class Evaluator:
+    """Deterministic task accuracy of any encoder-params configuration."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        model = ctx.model
+
+        def logits_fn(enc_params, head_params, batch):
+            h = model.represent(enc_params, batch, None, False)
+            return model.task_logits(head_params, h, None, False)
+
+        self._logits = jax.jit(logits_fn)
+        self._apply_packed = jax.jit(diffs_lib.apply_packed)
+
+    def compose(
+        self,
+        base: Any,
+        diffs: Sequence[diffs_lib.SparseDiff],
+        weights: Sequence[float] | None = None,
+    ) -> Any:
+        """``base + sum_k w_k diff_k``; one compiled program for any weights."""
+        if not diffs:
+            return base
+        packed, _ = diffs_lib.pack_diffs(list(diffs))
+        w = jnp.asarray(weights if weights is not None else [1.0] * len(diffs))
+        return self._apply_packed(base, packed, w.astype(jnp.float32))
+
+    def predict(self, enc_params: Any, head_params: Any, split: Any) -> np.ndarray:
+        """Task predictions (int [N], row order) on a split object."""
+        from moddiffy_jax.data import eval_batches
+
+        out = []
+        for batch in eval_batches(split, self.ctx.config.eval.batch_size):
+            logits = self._logits(enc_params, head_params, model_inputs(batch))
+            out.append(np.asarray(jnp.argmax(logits, -1))[batch["weight"] > 0])
+        return np.concatenate(out)
+
+    def task_accuracy(self, enc_params: Any, head_params: Any, split: str) -> float:
+        from moddiffy_jax.data import eval_batches
+
+        data = self.ctx.data.splits[split]
+        correct, total = 0.0, 0.0
+        for batch in eval_batches(data, self.ctx.config.eval.batch_size):
+            w = batch["weight"]
+            logits = self._logits(enc_params, head_params, model_inputs(batch))
+            pred = np.asarray(jnp.argmax(logits, -1))
+            correct += float(np.sum((pred == batch["task"]) * w))
+            total += float(np.sum(w))
+        return correct / max(total, 1.0)
+
+
+_LABEL_KEYS = ("task", "attrs", "weight", "extras")
+
+
+def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The model-input part of a batch (token ids, or images)."""
+    return {k: v for k, v in batch.items() if k not in _LABEL_KEYS}
+
+
+def composition_table(
+    ctx: Context,
+    evaluator: Evaluator,
+    core: Any,
+    head: Any,
+    sparse: Mapping[str, diffs_lib.SparseDiff],
+    splits: Sequence[str],
+    params_out: dict[str, Any] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Task accuracy for the core, each diff, and every larger subset of diffs.
+
+    ``params_out``, if given, receives ``label -> (encoder params, head)``.
+    """
+    names = [n for n in sparse if n != "task"]
+    base = core
+    if "task" in sparse:  # DiffPrun: the task diff is part of the model itself.
+        base = evaluator.compose(core, [sparse["task"]])
+    rows = {}
+    subsets = [()] + [
+        c for r in range(1, len(names) + 1) for c in itertools.combinations(names, r)
+    ]
+    attr_diffs = [sparse[n] for n in names]
+    for subset in subsets:
+        weights = [1.0 if n in subset else 0.0 for n in names]
+        params = evaluator.compose(base, attr_diffs, weights) if names else base
+        label = "core" if not subset else "core+" + "+".join(subset)
+        rows[label] = {
+            f"{s}_task_acc": evaluator.task_accuracy(params, head, s) for s in splits
+        }
+        if params_out is not None:
+            params_out[label] = (params, head)
+    return rows

@@ -1,0 +1,736 @@
+"""The FFW surgery driver: gate epochs over a frozen vanilla run, export, report.
+
+FFW's numerics (losses, gate and bias-head steps, the temperature and
+plateau rules) are pure functions in :mod:`moddiffy_jax.methods.ffw`; this
+module runs them: it loads the vanilla run named by
+``config.method.core_run``, trains the gates epoch by epoch with Orbax
+checkpoints, and exports the prunings as sparse diffs on that core.
+``train.train_and_evaluate`` calls :func:`run_ffw` for ``method.name ==
+"ffw"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+
+from moddiffy_jax import checkpoints
+from moddiffy_jax.eval import metrics as metrics_lib
+from moddiffy_jax.methods.ffw import (
+    GateTrainState,
+    PlateauState,
+    TemperatureState,
+    batched_mutual_information,
+    bias_logits,
+    default_ffw_config,
+    epoch_batches,
+    gate_followers,
+    gate_selection,
+    init_bias_heads,
+    make_gate_optimizer,
+    make_gate_step,
+    make_ph_epoch,
+    make_ph_optimizer,
+    model_inputs,
+    pad_rows,
+    split_part,
+    step_plateau,
+    step_temperature,
+    to_float,
+)
+from moddiffy_jax.subnets import diffs as diffs_lib
+from moddiffy_jax.subnets import gates as gates_lib
+from moddiffy_jax.subnets import selection
+
+PyTree = Any
+
+# Seed-sequence tags of the shuffles (all derived from config.seed).
+(_TAG_PH0, _TAG_GATE, _TAG_REFINE, _TAG_PRUNED, _TAG_RETUNE, _TAG_FINAL, _TAG_BEST) = (
+    range(7)
+)
+
+# -----------------------------------------------------------------------------
+# The surgeon: jitted pieces bound to one model, data and config.
+# -----------------------------------------------------------------------------
+
+
+class _Surgeon:
+    """Holds the context, the frozen base and the compiled pieces of one run."""
+
+    def __init__(self, config: ml_collections.ConfigDict, ctx: Any, core, head):
+        self.config = config
+        self.cfg = config.ffw if "ffw" in config else default_ffw_config()
+        cfg = self.cfg
+        self.ctx = ctx
+        self.model = model = ctx.model
+        # On device once: the jitted steps take the frozen base as an argument.
+        self.base = jax.tree.map(jnp.asarray, {"encoder": core, "task_head": head})
+        self.attributes = tuple(cfg.attributes) or tuple(ctx.attributes)
+        attr_classes = {a: len(ctx.data.attr_classes[a]) for a in self.attributes}
+        self.attr_classes = attr_classes
+        self.num_task_classes = len(ctx.data.task_classes)
+        if cfg.conflicting:
+            bad = [a for a, n in attr_classes.items() if n != self.num_task_classes]
+            if bad:
+                raise ValueError(
+                    f"ffw.conflicting needs bias attributes with the task's "
+                    f"{self.num_task_classes} classes; {bad} differ. Set "
+                    "config.ffw.conflicting=False."
+                )
+        self.splits = {k: cfg.splits[k] for k in ("gate_train", "gate_val", "test")}
+        missing = [s for s in self.splits.values() if s not in ctx.data.splits]
+        if missing:
+            raise ValueError(
+                f"config.ffw.splits names {missing}; the dataset has "
+                f"{sorted(ctx.data.splits)}."
+            )
+        self.include, self.exclude, self.paths = gate_selection(cfg, model, core, head)
+        rules = [re.escape(p) for p in self.paths]
+        self.init_logits = gates_lib.init_gates(
+            self.base, rules, structured=cfg.structured
+        ).logits
+        self.followers = (
+            gate_followers(model, core, head, self.paths) if cfg.structured else {}
+        )
+        followers = self.followers
+        if cfg.structured:
+
+            def apply_fn(base, logits, t):
+                return gates_lib.apply_structured_gates(
+                    base,
+                    gates_lib.GateState(logits),
+                    temperature=t,
+                    followers=followers,
+                )
+
+            def prune_fn(base, logits):
+                return gates_lib.apply_structured_pruning(
+                    base, gates_lib.GateState(logits), followers=followers
+                )
+
+        else:
+
+            def apply_fn(base, logits, t):
+                return gates_lib.apply_gates(
+                    base, gates_lib.GateState(logits), temperature=t
+                )
+
+            def prune_fn(base, logits):
+                return gates_lib.apply_pruning(base, gates_lib.GateState(logits))
+
+        self.gate_opt = make_gate_optimizer(cfg)
+        self.ph_opt = make_ph_optimizer(cfg)
+        self.apply = jax.jit(apply_fn)
+        self.prune = jax.jit(prune_fn)
+        self.gate_step = jax.jit(
+            make_gate_step(
+                model=model,
+                apply_fn=apply_fn,
+                gate_opt=self.gate_opt,
+                ph_opt=self.ph_opt,
+                alpha=cfg.alpha,
+                gamma=cfg.gamma,
+                attr_classes=attr_classes,
+            ),
+            donate_argnums=(0,),
+        )
+        self.ph_epoch = jax.jit(make_ph_epoch(self.ph_opt))
+
+        def features(params, inputs):
+            h = model.represent(params["encoder"], inputs, None, False)
+            return h, model.task_logits(params["task_head"], h, None, False)
+
+        self.features_fn = jax.jit(features)
+        self.mi_fns = {
+            a: jax.jit(
+                lambda y, p, w, n=n: batched_mutual_information(y, p, w, num_classes=n)
+            )
+            for a, n in attr_classes.items()
+        }
+        self._labels: dict[str, dict[str, np.ndarray]] = {}
+
+    # -- data ---------------------------------------------------------------
+
+    def seed_words(self, *tags: int) -> tuple[int, ...]:
+        return (int(self.config.seed), *(int(t) for t in tags))
+
+    def batch_arrays(self, batch: Mapping[str, Any], weight: np.ndarray):
+        inputs = model_inputs(self.model, batch)
+        task = np.asarray(batch["task"], np.int32)
+        bias = {a: np.asarray(batch["attrs"][a], np.int32) for a in self.attributes}
+        return inputs, task, bias, np.asarray(weight, np.float32)
+
+    def feature_dim(self) -> int:
+        split = self.ctx.data.splits[self.splits["gate_train"]]
+        batch = split.take(np.zeros(1, np.int64))
+        h, _ = jax.eval_shape(
+            self.features_fn, self.base, model_inputs(self.model, batch)
+        )
+        return int(h.shape[-1])
+
+    def features(
+        self, params: PyTree, split_name: str
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Features [N, H] and task logits [N, C] of a split (in order)."""
+        from moddiffy_jax.data import eval_batches
+
+        split = self.ctx.data.splits[split_name]
+        n = len(split)
+        hs, logits = [], []
+        labels = {"task": []} | {a: [] for a in self.attributes}
+        for batch in eval_batches(split, self.config.eval.batch_size):
+            h, lg = self.features_fn(params, model_inputs(self.model, batch))
+            hs.append(h)
+            logits.append(lg)
+            if split_name not in self._labels:
+                labels["task"].append(np.asarray(batch["task"]))
+                for a in self.attributes:
+                    labels[a].append(np.asarray(batch["attrs"][a]))
+        if split_name not in self._labels:
+            self._labels[split_name] = {
+                k: np.concatenate(v)[:n].astype(np.int32) for k, v in labels.items()
+            }
+        h = np.concatenate(jax.device_get(hs))[:n]
+        return h, np.concatenate(jax.device_get(logits))[:n]
+
+    def labels(self, split_name: str) -> dict[str, np.ndarray]:
+        if split_name not in self._labels:
+            self.features(self.base, split_name)
+        return self._labels[split_name]
+
+    # -- PH -------------------------------------------------------------------
+
+    def train_ph(
+        self, ph: PyTree, opt_state: PyTree, feats: np.ndarray, tags: Sequence[int]
+    ) -> tuple[PyTree, PyTree, int]:
+        """Trains the PH on cached gate-train features until the CE plateaus."""
+        cfg = self.cfg
+        labels = self.labels(self.splits["gate_train"])
+        bias = {a: jnp.asarray(labels[a]) for a in self.attributes}
+        feats = jnp.asarray(feats)
+        plateau = PlateauState()
+        epochs = 0
+        for e in range(cfg.ph_max_epochs):
+            idx, w = epoch_batches(
+                len(feats), cfg.batch_size, self.seed_words(*tags, e)
+            )
+            ph, opt_state, loss = self.ph_epoch(ph, opt_state, feats, bias, idx, w)
+            epochs = e + 1
+            plateau = step_plateau(plateau, to_float(loss), threshold=cfg.ph_threshold)
+            if plateau.num_bad > cfg.ph_patience:
+                break
+        return ph, opt_state, epochs
+
+    def fresh_ph(self, ph0: PyTree, feats: np.ndarray, tags: Sequence[int]):
+        ph = jax.tree.map(jnp.copy, ph0)
+        ph, _, epochs = self.train_ph(ph, self.ph_opt.init(ph), feats, tags)
+        return ph, epochs
+
+    def leakage(self, ph: PyTree, feats: np.ndarray, split_name: str) -> dict[str, Any]:
+        """MI (per-batch plug-in, bias labels) and bias accuracy of ``ph``."""
+        labels = self.labels(split_name)
+        idx, w = pad_rows(np.arange(len(feats)), self.cfg.batch_size)
+        out: dict[str, Any] = {"mi": {}, "bias_acc": {}}
+        for a in self.attributes:
+            logits = np.asarray(bias_logits(ph[a], jnp.asarray(feats)))
+            probs = np.asarray(jax.nn.softmax(logits))
+            mi, sizes = self.mi_fns[a](labels[a][idx], probs[idx], w)
+            mi, sizes = np.asarray(mi, np.float64), np.asarray(sizes, np.float64)
+            out["mi"][a] = float(np.sum(mi * sizes) / np.sum(sizes))
+            out["bias_acc"][a] = metrics_lib.accuracy(labels[a], logits.argmax(-1))
+        out["mean_mi"] = float(np.mean(list(out["mi"].values())))
+        out["mean_bias_acc"] = float(np.mean(list(out["bias_acc"].values())))
+        return out
+
+    def task_report(self, logits: np.ndarray, split_name: str) -> dict[str, float]:
+        """Task accuracy, group-mean ("unbiased") and bias-conflicting accuracy."""
+        labels = self.labels(split_name)
+        y, pred = labels["task"], logits.argmax(-1)
+        report = {"accuracy": metrics_lib.accuracy(y, pred)}
+        for a in self.attributes:
+            b = labels[a]
+            cells = [
+                float(np.mean(pred[m] == y[m]))
+                for m in (
+                    (y == c) & (b == g) for c in np.unique(y) for g in np.unique(b)
+                )
+                if m.any()
+            ]
+            report[f"{a}/unbiased_accuracy"] = float(np.mean(cells))
+            if self.cfg.conflicting:
+                acc = metrics_lib.bias_aligned_conflicting_accuracy(y, pred, b == y)
+                report[f"{a}/aligned_accuracy"] = acc["aligned"]
+                report[f"{a}/conflicting_accuracy"] = acc["conflicting"]
+        return report
+
+    def evaluate(
+        self, params: PyTree, ph0: PyTree, tags: Sequence[int] | None
+    ) -> dict[str, Any]:
+        """Task metrics on gate-val and test, and the leakage of a fresh PH.
+
+        ``tags=None`` evaluates ``ph0`` itself (the vanilla model's PH0);
+        otherwise a copy of ``ph0`` is trained to a plateau on ``params``.
+        """
+        out: dict[str, Any] = {"eval": {}}
+        feats = {}
+        for key in ("gate_val", "test"):
+            name = self.splits[key]
+            if name not in feats:
+                feats[name], logits = self.features(params, name)
+                out["eval"][name] = self.task_report(logits, name)
+        ph, epochs = ph0, 0
+        if tags is not None:
+            train_feats, _ = self.features(params, self.splits["gate_train"])
+            ph, epochs = self.fresh_ph(ph0, train_feats, tags)
+        val = self.splits["gate_val"]
+        out["leakage"] = self.leakage(ph, feats[val], val)
+        out["leakage"]["ph_epochs"] = epochs
+        return out
+
+
+# -----------------------------------------------------------------------------
+# The driver.
+# -----------------------------------------------------------------------------
+
+
+def _pruning_summary(surgeon: _Surgeon, logits: PyTree) -> dict[str, Any]:
+    overall, per_leaf = gates_lib.pruned_fraction(
+        gates_lib.GateState(logits), params=surgeon.base
+    )
+    return {
+        "pruned_fraction": to_float(overall),
+        "pruned_fraction_per_layer": {k: to_float(v) for k, v in per_leaf.items()},
+    }
+
+
+def _export_pruning(
+    surgeon: _Surgeon,
+    logits: PyTree,
+    directory: Path,
+    diff_path: Path,
+    name: str,
+    info: Mapping[str, Any],
+    core_meta: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Writes the pruning of ``logits`` as a SparseDiff on the core (+ head, gates)."""
+    state = gates_lib.GateState(logits)
+    masks = gates_lib.pruning_masks(
+        surgeon.base, state, followers=surgeon.followers or None
+    )
+    masks = jax.device_get(masks)
+    core, head = surgeon.base["encoder"], surgeon.base["task_head"]
+    sd = diffs_lib.pruning_diff(
+        core,
+        split_part(masks, "encoder"),
+        name=name,
+        rules=(surgeon.include, surgeon.exclude),
+        info=dict(info),
+    )
+    diff_path.parent.mkdir(parents=True, exist_ok=True)
+    diffs_lib.save_sparse_diff(diff_path, sd, overwrite=True)
+    out = {
+        "path": str(diff_path),
+        "nnz": int(sd.nnz()),
+        "num_selected": int(sd.num_selected()),
+        "density": float(sd.density()),
+    }
+    meta = {**core_meta, **{k: v for k, v in info.items() if isinstance(v, str)}}
+    if "task_head" in masks:
+        pruned_head = selection.map_subtree(
+            lambda w, k: np.where(k, w, np.zeros_like(w)), head, masks["task_head"]
+        )
+        path = directory / "task_head_pruned.safetensors"
+        checkpoints.save_params(path, pruned_head, metadata=meta, overwrite=True)
+        out["task_head_pruned"] = str(path)
+    gates_path = directory / f"{name}_gates.safetensors"
+    checkpoints.save_params(
+        gates_path, jax.device_get(logits), metadata=meta, overwrite=True
+    )
+    out["gates"] = str(gates_path)
+    return out
+
+
+def run_ffw(config: ml_collections.ConfigDict, workdir: str | Path) -> dict:
+    """Runs FFW surgery on ``config.method.core_run`` in ``workdir`` (resumable).
+
+    Args:
+      config: an experiment config with ``method.core_run`` (a finished run
+        directory of this library), ``ffw`` (:func:`default_ffw_config`),
+        ``seed``, ``eval.batch_size``, ``train.keep_checkpoints``,
+        ``train.progress`` and ``train.stop_at_step`` (> 0: simulate a
+        preemption after that many *gate epochs*).
+      workdir: the run directory; a checkpoint there is resumed.
+
+    Returns:
+      The results, also written to ``workdir/results.json``.
+
+    Raises:
+      workdir.Preempted: when ``config.train.stop_at_step`` stops the run.
+    """
+    from moddiffy_jax import context
+    from moddiffy_jax import workdir as workdir_lib
+
+    wall_start = time.time()
+    workdir = Path(workdir)
+    workdir_lib.prepare_workdir(config, workdir)
+    ctx = context.build_context(config)
+    core, head, fp = checkpoints.load_core_run(config.method.core_run)
+    context.check_same_structure(core, ctx.pretrained, config.method.core_run)
+    _, core_meta = checkpoints.load_params(
+        Path(config.method.core_run) / "export" / "core.safetensors"
+    )
+    core_meta = dict(core_meta)
+    core_meta.setdefault("fingerprint", diffs_lib.fingerprint(core))
+    ctx = _limit_gate_train(ctx, config)
+    surgeon = _Surgeon(config, ctx, core, head)
+    cfg = surgeon.cfg
+
+    ph0_init = init_bias_heads(
+        jax.random.PRNGKey(config.seed), surgeon.feature_dim(), surgeon.attr_classes
+    )
+    logits0 = surgeon.init_logits
+    state = GateTrainState(
+        logits=logits0,
+        gate_opt=surgeon.gate_opt.init(logits0),
+        ph=ph0_init,
+        ph_opt=surgeon.ph_opt.init(ph0_init),
+    )
+    saved = {
+        "train": state,
+        "ph0": ph0_init,
+        "best_logits": jax.tree.map(jnp.copy, logits0),
+    }
+    meta: dict[str, Any] = {
+        "epoch": 0,
+        "temperature": float(cfg.tau0),
+        "tau_best": None,
+        "tau_num_bad": 0,
+        "done": False,
+        "stop_reason": None,
+        "best_epoch": None,
+        "best_score": None,
+        "temperature_history": [],
+        "decays": [],
+        "ph0_epochs": 0,
+    }
+    ckpt = checkpoints.RunCheckpointer(
+        workdir / "checkpoints", max_to_keep=config.train.keep_checkpoints
+    )
+    writer = workdir_lib.MetricWriter(workdir)
+    try:
+        latest = ckpt.latest_step()
+        if latest is not None:
+            meta, _ = ckpt.restore_meta(latest)
+            saved = ckpt.restore_state(latest, saved)
+            logging.info("FFW: resuming after gate epoch %d.", meta["epoch"])
+        else:
+            feats, _ = surgeon.features(surgeon.base, surgeon.splits["gate_train"])
+            ph0, _, meta["ph0_epochs"] = surgeon.train_ph(
+                ph0_init, surgeon.ph_opt.init(ph0_init), feats, (_TAG_PH0,)
+            )
+            saved["ph0"] = ph0
+            saved["train"] = state.replace(
+                ph=jax.tree.map(jnp.copy, ph0), ph_opt=surgeon.ph_opt.init(ph0)
+            )
+        _gate_loop(surgeon, saved, meta, ckpt, writer, config)
+        ckpt.wait()
+    finally:
+        ckpt.close()
+        writer.close()
+    results = _finish(surgeon, saved, meta, workdir, fp, core_meta, config)
+    if cfg.with_core_diffs:
+        results["core_diffs"] = _copy_core_diffs(config.method.core_run, workdir, fp)
+    results["wall_time_s"] = time.time() - wall_start
+    checkpoints.write_json_atomic(workdir / "results.json", results)
+    return results
+
+
+def _subset_split(split: Any, indices: np.ndarray) -> Any:
+    """The rows ``indices`` of a TokenizedSplit or ImageSplit (arrays and dicts)."""
+    changes = {}
+    for field in dataclasses.fields(split):
+        value = getattr(split, field.name)
+        if isinstance(value, np.ndarray):
+            changes[field.name] = value[indices]
+        elif isinstance(value, dict):
+            changes[field.name] = {k: v[indices] for k, v in value.items()}
+    return dataclasses.replace(split, **changes)
+
+
+def _limit_gate_train(ctx: Any, config: ml_collections.ConfigDict) -> Any:
+    """``ctx`` with the gate-train split cut to ``ffw.max_gate_train_examples``."""
+    limit = int(config.ffw.max_gate_train_examples)
+    name = config.ffw.splits.gate_train
+    split = ctx.data.splits[name] if name in ctx.data.splits else None
+    if limit <= 0 or split is None or len(split) <= limit:
+        return ctx
+    order = np.random.default_rng(config.seed).permutation(len(split))[:limit]
+    splits = {**ctx.data.splits, name: _subset_split(split, np.sort(order))}
+    return dataclasses.replace(ctx, data=dataclasses.replace(ctx.data, splits=splits))
+
+
+def _copy_core_diffs(core_run: str, workdir: Path, fp: str) -> list[str]:
+    """Copies the core run's exported diffs made on the same core (same fingerprint)."""
+    copied = []
+    for path in sorted((Path(core_run) / "export" / "diffs").glob("*.safetensors")):
+        sd = diffs_lib.load_sparse_diff(str(path))
+        if sd.base_fingerprint != fp or sd.name == "ffw":
+            continue
+        diffs_lib.save_sparse_diff(
+            workdir / "export" / "diffs" / path.name, sd, overwrite=True
+        )
+        copied.append(sd.name)
+    return copied
+
+
+def _gate_loop(
+    surgeon: _Surgeon, saved: dict, meta: dict, ckpt, writer, config
+) -> None:
+    """Gate epochs from ``meta["epoch"]`` on; updates ``saved``/``meta`` in place."""
+    from moddiffy_jax.workdir import Preempted
+
+    cfg = surgeon.cfg
+    split = surgeon.ctx.data.splits[surgeon.splits["gate_train"]]
+    n = len(split)
+    controller = TemperatureState(
+        meta["temperature"], meta["tau_best"], meta["tau_num_bad"]
+    )
+    progress = _progress(config, cfg.max_gate_epochs, meta["epoch"])
+    try:
+        while not meta["done"] and meta["epoch"] < cfg.max_gate_epochs:
+            epoch = meta["epoch"] + 1
+            start = time.time()
+            tau = controller.temperature
+            state = saved["train"]
+            # a. One gate epoch.
+            idx, w = epoch_batches(
+                n, cfg.batch_size, surgeon.seed_words(_TAG_GATE, epoch)
+            )
+            auxes = []
+            for rows, wb in zip(idx, w, strict=True):
+                arrays = surgeon.batch_arrays(split.take(rows), wb)
+                state, aux = surgeon.gate_step(
+                    state, surgeon.base, *arrays, jnp.float32(tau)
+                )
+                auxes.append(aux)
+            # Epoch means over real examples (each batch value is a batch mean).
+            auxes, sizes = jax.device_get(auxes), w.sum(axis=1)
+            record = {
+                f"train/{k}": sum(
+                    float(a[k]) * float(s) for a, s in zip(auxes, sizes, strict=True)
+                )
+                / n
+                for k in auxes[0]
+            }
+            # b. Refine the PH on the gated net.
+            gated = surgeon.apply(surgeon.base, state.logits, jnp.float32(tau))
+            feats, _ = surgeon.features(gated, surgeon.splits["gate_train"])
+            ph, ph_opt, record["ph_refine_epochs"] = surgeon.train_ph(
+                state.ph, state.ph_opt, feats, (_TAG_REFINE, epoch)
+            )
+            # c. Validation MI with bias labels -> temperature controller.
+            val_name = surgeon.splits["gate_val"]
+            val_feats, val_logits = surgeon.features(gated, val_name)
+            leak = surgeon.leakage(ph, val_feats, val_name)
+            record.update(
+                {
+                    "val/mi": leak["mean_mi"],
+                    "val/bias_acc": leak["mean_bias_acc"],
+                    "val/task_acc": surgeon.task_report(val_logits, val_name)[
+                        "accuracy"
+                    ],
+                    "temperature": tau,
+                }
+            )
+            record.update({f"val/mi/{a}": v for a, v in leak["mi"].items()})
+            record.update({f"val/bias_acc/{a}": v for a, v in leak["bias_acc"].items()})
+            controller, changed = step_temperature(
+                controller,
+                leak["mean_mi"],
+                factor=cfg.tau_factor,
+                patience=cfg.tau_patience,
+                threshold=cfg.tau_threshold,
+            )
+            meta["temperature_history"].append([epoch, tau])
+            # d. On a temperature change: evaluate the hard pruning.
+            if changed:
+                pruned = surgeon.prune(surgeon.base, state.logits)
+                train_p, _ = surgeon.features(pruned, surgeon.splits["gate_train"])
+                fresh, _ = surgeon.fresh_ph(saved["ph0"], train_p, (_TAG_PRUNED, epoch))
+                val_p, _ = surgeon.features(pruned, val_name)
+                pl = surgeon.leakage(fresh, val_p, val_name)
+                score = pl["mean_bias_acc"]
+                record.update(
+                    {"pruned/val_mi": pl["mean_mi"], "pruned/val_bias_acc": score}
+                )
+                meta["decays"].append(
+                    {
+                        "epoch": epoch,
+                        "from": tau,
+                        "to": controller.temperature,
+                        "val_mi": leak["mean_mi"],
+                        "pruned_val_bias_acc": score,
+                        "pruned_val_mi": pl["mean_mi"],
+                    }
+                )
+                if meta["best_score"] is None or score < meta["best_score"]:
+                    meta["best_score"], meta["best_epoch"] = score, epoch
+                    saved["best_logits"] = jax.tree.map(jnp.copy, state.logits)
+                if controller.temperature < cfg.tau_min:
+                    meta["done"], meta["stop_reason"] = True, "tau_min"
+                else:
+                    gated = surgeon.apply(
+                        surgeon.base, state.logits, jnp.float32(controller.temperature)
+                    )
+                    feats, _ = surgeon.features(gated, surgeon.splits["gate_train"])
+                    ph, ph_opt, record["ph_retune_epochs"] = surgeon.train_ph(
+                        ph, ph_opt, feats, (_TAG_RETUNE, epoch)
+                    )
+            saved["train"] = state.replace(ph=ph, ph_opt=ph_opt)
+            if not meta["done"] and epoch >= cfg.max_gate_epochs:
+                meta["done"], meta["stop_reason"] = True, "max_gate_epochs"
+            summary = _pruning_summary(surgeon, state.logits)
+            record["pruned_fraction"] = summary["pruned_fraction"]
+            record["tau_changed"] = int(changed)
+            meta.update(
+                epoch=epoch,
+                temperature=controller.temperature,
+                tau_best=controller.best,
+                tau_num_bad=controller.num_bad,
+            )
+            # e. Checkpoint (async) and log.
+            ckpt.save(epoch, saved, meta, {})
+            record["epoch_time_s"] = time.time() - start
+            writer.write(epoch, record)
+            progress.update(1)
+            progress.set_postfix(tau=f"{tau:.0e}", mi=f"{leak['mean_mi']:.3f}")
+            logging.info(
+                "FFW epoch %d: T=%g val MI %.4f bias acc %.4f pruned %.4f",
+                epoch,
+                tau,
+                leak["mean_mi"],
+                leak["mean_bias_acc"],
+                summary["pruned_fraction"],
+            )
+            stop_at = int(config.train.stop_at_step)
+            if stop_at and epoch >= stop_at and not meta["done"]:
+                raise Preempted(epoch)
+    finally:
+        progress.close()
+
+
+def _progress(config, total: int, initial: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc="ffw",
+        disable=not config.train.progress,
+        dynamic_ncols=True,
+    )
+
+
+def _finish(
+    surgeon: _Surgeon,
+    saved: dict,
+    meta: dict,
+    workdir: Path,
+    fp: str,
+    core_meta: Mapping[str, Any],
+    config: ml_collections.ConfigDict,
+) -> dict:
+    """Evaluates vanilla / final / best-intermediate gates and writes the exports."""
+    cfg = surgeon.cfg
+    export = workdir / "export"
+    checkpoints.save_params(
+        export / "core.safetensors",
+        surgeon.base["encoder"],
+        metadata=core_meta,
+        overwrite=True,
+    )
+    checkpoints.save_params(
+        export / "task_head.safetensors",
+        surgeon.base["task_head"],
+        metadata=core_meta,
+        overwrite=True,
+    )
+    ph0 = saved["ph0"]
+    results: dict[str, Any] = {
+        "method": "ffw",
+        "dataset": surgeon.ctx.data.name,
+        "attributes": list(surgeon.attributes),
+        "core_run": str(config.method.core_run),
+        "core_fingerprint": fp,
+        "structured": bool(cfg.structured),
+        "gated_leaves": list(surgeon.paths),
+        "num_gate_epochs": meta["epoch"],
+        "stop_reason": meta["stop_reason"],
+        "ph0_epochs": meta["ph0_epochs"],
+        "temperature_history": [
+            {"epoch": e, "temperature": t} for e, t in meta["temperature_history"]
+        ],
+        "temperature_decays": meta["decays"],
+        "final_temperature": meta["temperature"],
+    }
+    results["vanilla"] = surgeon.evaluate(surgeon.base, ph0, None)
+    results["vanilla"]["leakage"]["note"] = "PH0 (trained on the vanilla features)"
+    candidates = [("final", saved["train"].logits, meta["epoch"], _TAG_FINAL)]
+    if meta["best_epoch"] is not None:
+        candidates.append(
+            (
+                "best_intermediate",
+                saved["best_logits"],
+                meta["best_epoch"],
+                _TAG_BEST,
+            )
+        )
+    else:
+        results["best_intermediate"] = None
+    for label, logits, epoch, tag in candidates:
+        pruned = surgeon.prune(surgeon.base, logits)
+        entry = {"epoch": epoch, **_pruning_summary(surgeon, logits)}
+        entry.update(surgeon.evaluate(pruned, ph0, (tag,)))
+        info = {
+            "method": "ffw",
+            "gates": label,
+            "epoch": epoch,
+            "structured": bool(cfg.structured),
+        }
+        if label == "final":
+            entry["export"] = _export_pruning(
+                surgeon,
+                logits,
+                export,
+                export / "diffs" / "ffw.safetensors",
+                "ffw",
+                info,
+                core_meta,
+            )
+        else:
+            entry["score_val_bias_acc"] = meta["best_score"]
+            directory = export / "ffw_best_intermediate"
+            entry["export"] = _export_pruning(
+                surgeon,
+                logits,
+                directory,
+                directory / "ffw_best_intermediate.safetensors",
+                "ffw_best_intermediate",
+                info,
+                core_meta,
+            )
+        results[label] = entry
+    results["diffs"] = {
+        "ffw": {k: v for k, v in results["final"]["export"].items() if k != "gates"}
+    }
+    return results
