@@ -90,14 +90,14 @@ def run_one(method: str, model: str, batch: int, length: int, steps: int, dtype:
             config.model.dir = _bert_base_dir()
             config.model.tokenizer_dir = str(_minilm_dir())
     ctx = train.build_context(config)
-    trainable, frozen = train.init_state(ctx, jax.random.PRNGKey(0))
+    trainable, frozen = ctx.method.init(ctx, jax.random.PRNGKey(0))
     if post:
         # MoDDiffy-post trains the same diffs on a frozen core and head.
         ctx.method = registry.get_method("moddiffy_post")
         frozen["base"] = trainable.pop("core")
         frozen["task_head"] = trainable.pop("task_head")
-    phase = registry.phases_of(ctx.method, config)[0]
-    substeps = registry.build_substeps(ctx, phase, trainable)
+    phase = ctx.method.phases_of(config)[0]
+    substeps = ctx.method.substeps(ctx, phase, trainable)
     state = common.TrainState(
         step=common.jnp_zero_step(),
         trainable=trainable,

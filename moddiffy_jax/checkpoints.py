@@ -166,3 +166,14 @@ def load_core_run(run_dir: str) -> tuple[Any, Any, str]:
     core, meta = load_params(export / "core.safetensors")
     head, _ = load_params(export / "task_head.safetensors")
     return core, head, meta.get("fingerprint", "")
+
+
+def check_same_structure(a: Any, b: Any, where: str) -> None:
+    fa = {k: np.shape(v) for k, v in selection.flatten(a).items()}
+    fb = {k: np.shape(v) for k, v in selection.flatten(b).items()}
+    if fa != fb:
+        bad = sorted(k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k))
+        raise ValueError(
+            f"The core of {where} does not match the configured model "
+            f"(differing tensors: {bad[:6]}). Use the same config.model as that run."
+        )

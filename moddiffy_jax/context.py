@@ -15,10 +15,10 @@ import ml_collections
 import numpy as np
 
 from moddiffy_jax import checkpoints, parallel
-from moddiffy_jax.eval.evaluator import model_inputs
-from moddiffy_jax.methods import common, removal, srnets
+from moddiffy_jax.data import model_inputs
+from moddiffy_jax.methods import common, removal
 from moddiffy_jax.methods import registry as method_registry
-from moddiffy_jax.subnets import hard_concrete, selection
+from moddiffy_jax.subnets import hard_concrete
 
 
 @dataclasses.dataclass
@@ -38,7 +38,7 @@ def is_vision(config: ml_collections.ConfigDict) -> bool:
     """Whether ``config.data.source`` is an image benchmark (data/vision.py)."""
     from moddiffy_jax.data import vision as vision_data
 
-    return config.data.source in vision_data.VISION_SOURCES
+    return vision_data.is_vision_config(config)
 
 
 def build_context(config: ml_collections.ConfigDict) -> Context:
@@ -51,8 +51,7 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
             f"config.method.task_loss={config.method.task_loss!r}; valid: "
             f"{list(common.TASK_LOSSES)}."
         )
-    if method.encoder in common.SUBNETWORK_MODES:
-        srnets.check_config(config)
+    method.check_config(config)
     vision = is_vision(config)
     if vision:
         from moddiffy_jax.data import vision as vision_data
@@ -176,23 +175,6 @@ def _with_teacher_probs(config, dataset, model):
     splits = dict(dataset.splits)
     splits["train"] = dataset_lib.with_extras(train, teacher_probs=probs)
     return dataclasses.replace(dataset, splits=splits)
-
-
-def diff_rules(
-    config: ml_collections.ConfigDict,
-) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    return tuple(config.diff.include), tuple(config.diff.exclude)
-
-
-def check_same_structure(a: Any, b: Any, where: str) -> None:
-    fa = {k: np.shape(v) for k, v in selection.flatten(a).items()}
-    fb = {k: np.shape(v) for k, v in selection.flatten(b).items()}
-    if fa != fb:
-        bad = sorted(k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k))
-        raise ValueError(
-            f"The core of {where} does not match the configured model "
-            f"(differing tensors: {bad[:6]}). Use the same config.model as that run."
-        )
 
 
 PRUNE_SCHEDULES = ("gradual", "final")

@@ -385,7 +385,7 @@ def run_ffw(config: ml_collections.ConfigDict, workdir: str | Path) -> dict:
     workdir_lib.prepare_workdir(config, workdir)
     ctx = context.build_context(config)
     core, head, fp = checkpoints.load_core_run(config.method.core_run)
-    context.check_same_structure(core, ctx.pretrained, config.method.core_run)
+    checkpoints.check_same_structure(core, ctx.pretrained, config.method.core_run)
     _, core_meta = checkpoints.load_params(
         Path(config.method.core_run) / "export" / "core.safetensors"
     )

@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 from moddiffy_jax import parallel, train  # noqa: E402
 from moddiffy_jax.config_lib import experiment_config  # noqa: E402
 from moddiffy_jax.data import TrainIterator  # noqa: E402
-from moddiffy_jax.methods import common, registry  # noqa: E402
+from moddiffy_jax.methods import common  # noqa: E402
 
 
 def one_step(num_devices):
@@ -25,8 +25,8 @@ def one_step(num_devices):
     with config.unlocked():
         config.num_devices = num_devices
     ctx = train.build_context(config)
-    trainable, frozen = train.init_state(ctx, jax.random.PRNGKey(0))
-    substeps = registry.build_substeps(ctx, "l0", trainable)
+    trainable, frozen = ctx.method.init(ctx, jax.random.PRNGKey(0))
+    substeps = ctx.method.substeps(ctx, "l0", trainable)
     state = common.TrainState(
         step=common.jnp_zero_step(),
         trainable=trainable,
@@ -49,16 +49,12 @@ diff = max(
     float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
     for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(sharded), strict=True)
 )
+fresh = train.build_context(experiment_config(sys.argv[1], "model=tiny"))
 changed = max(
     float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
     for a, b in zip(
         jax.tree.leaves(single),
-        jax.tree.leaves(
-            train.init_state(
-                train.build_context(experiment_config(sys.argv[1], "model=tiny")),
-                jax.random.PRNGKey(0),
-            )[0]
-        ),
+        jax.tree.leaves(fresh.method.init(fresh, jax.random.PRNGKey(0))[0]),
         strict=True,
     )
 )

@@ -7,7 +7,7 @@ import pytest
 
 from moddiffy_jax import train
 from moddiffy_jax.config_lib import experiment_config
-from moddiffy_jax.methods import common
+from moddiffy_jax.methods import common, moddiffy
 from moddiffy_jax.subnets import diffs, hard_concrete
 
 
@@ -59,7 +59,7 @@ def test_magnitude_keep_mask_matches_prune_to_sparsity():
 def test_gradual_schedule_reaches_the_budget():
     c = experiment_config("moddiffy_par", "model=tiny")
     n = 100
-    keeps = {t: train._gradual_keep(c, t, n) for t in range(1, n + 1)}
+    keeps = {t: moddiffy.gradual_keep(c, t, n) for t in range(1, n + 1)}
     events = {t: k for t, k in keeps.items() if k is not None}
     assert min(events) > c.diff.prune_start * n
     assert all(t % c.diff.prune_every == 0 for t in events)
@@ -69,7 +69,7 @@ def test_gradual_schedule_reaches_the_budget():
     with c.unlocked():
         c.diff.keep = 5.0
     with pytest.raises(ValueError, match="fraction"):
-        train._gradual_keep(c, 20, n)
+        moddiffy.gradual_keep(c, 20, n)
 
 
 def test_taylor_scores_read_adams_second_moment():
@@ -80,7 +80,7 @@ def test_taylor_scores_read_adams_second_moment():
     opt = tx.init(params)
     grads = jax.tree.map(lambda x: jnp.full_like(x, 2.0), params)
     _, opt = tx.update(grads, opt, params)
-    nu = train._adam_second_moment(opt, ("diffs", "g"))
+    nu = moddiffy.adam_second_moment(opt, ("diffs", "g"))
     assert np.all(np.asarray(nu["w"]) > 0)
 
 

@@ -79,7 +79,7 @@ def test_mask_training_moves_the_mask_but_not_the_weights(mask_run):
     workdir, _ = mask_run
     config = tiny("srnets_mask", "sparsity=0.7", **MASK)
     pretrained = _pretrained(config)
-    include, exclude = srnets._rules(config)
+    include, exclude = srnets.rules(config)
     init = masks_lib.init_scores(
         pretrained, include, exclude=exclude, sparsity=0.7, init="magnitude"
     )

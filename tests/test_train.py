@@ -163,8 +163,8 @@ def test_post_without_core_run_is_refused(tmp_path):
 def _first_step(method, phase="l0", arg="", **overrides):
     config = tiny(method, arg, **overrides)
     ctx = train.build_context(config)
-    trainable, frozen = train.init_state(ctx, jax.random.PRNGKey(0))
-    substeps = registry.build_substeps(ctx, phase, trainable)
+    trainable, frozen = ctx.method.init(ctx, jax.random.PRNGKey(0))
+    substeps = ctx.method.substeps(ctx, phase, trainable)
     state = common.TrainState(
         step=common.jnp_zero_step(),
         trainable=trainable,
@@ -481,8 +481,8 @@ def test_post_core_and_head_bit_identical_after_step(finetune_run):
     ft_dir, _ = finetune_run
     config = tiny("moddiffy_post", **{"method.core_run": str(ft_dir)})
     ctx = train.build_context(config)
-    trainable, frozen = train.init_state(ctx, jax.random.PRNGKey(0))
-    substeps = registry.build_substeps(ctx, "l0", trainable)
+    trainable, frozen = ctx.method.init(ctx, jax.random.PRNGKey(0))
+    substeps = ctx.method.substeps(ctx, "l0", trainable)
     assert [s.name for s in substeps] == ["debias/gender", "debias/age"]
     state = common.TrainState(
         step=common.jnp_zero_step(),

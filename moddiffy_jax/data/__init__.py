@@ -25,7 +25,12 @@ from moddiffy_jax.data.dataset import (
     read_label_file,
     summarize_dataset,
 )
-from moddiffy_jax.data.pipeline import TrainIterator, eval_batches, num_eval_batches
+from moddiffy_jax.data.pipeline import (
+    TrainIterator,
+    eval_batches,
+    model_inputs,
+    num_eval_batches,
+)
 from moddiffy_jax.data.sources import SOURCES, get_source
 from moddiffy_jax.data.synthetic import generate_synthetic
 from moddiffy_jax.data.tabular import load_tabular, read_table
@@ -44,6 +49,7 @@ __all__ = [
     "default_data_config",
     "encode_splits",
     "eval_batches",
+    "model_inputs",
     "generate_synthetic",
     "get_source",
     "load_tabular",

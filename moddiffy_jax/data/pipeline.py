@@ -19,7 +19,8 @@ batches the uninterrupted one would.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import grain
 import numpy as np
@@ -198,3 +199,12 @@ def eval_batches(split: TokenizedSplit, batch_size: int) -> Iterator[dict]:
         batch = split.take(idx)
         batch["weight"] = weight
         yield batch
+
+
+#: Batch keys that are labels, not model inputs.
+LABEL_KEYS = ("task", "attrs", "weight", "extras")
+
+
+def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The model-input part of a batch (token ids and masks, or images)."""
+    return {k: v for k, v in batch.items() if k not in LABEL_KEYS}

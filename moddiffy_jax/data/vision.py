@@ -115,6 +115,7 @@ __all__ = [
     "colour_halves",
     "default_vision_config",
     "get_vision_source",
+    "is_vision_config",
     "load_biased_mnist",
     "load_cifar10c_folders",
     "load_digits_source",
@@ -140,6 +141,11 @@ VISION_SOURCES: dict[str, Callable[[ml_collections.ConfigDict], ImageDataset]] =
     "corrupted_cifar10": load_cifar10c_folders,
     "corrupted_cifar10_tfds": load_tfds_cifar10_corrupted,
 }
+
+
+def is_vision_config(config: ml_collections.ConfigDict) -> bool:
+    """Whether ``config.data.source`` is an image benchmark of this module."""
+    return config.data.source in VISION_SOURCES
 
 
 def default_vision_config() -> ml_collections.ConfigDict:

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moddiffy_jax.data import model_inputs
 from moddiffy_jax.subnets import diffs as diffs_lib
 
 if TYPE_CHECKING:
@@ -65,14 +66,6 @@ class Evaluator:
             correct += float(np.sum((pred == batch["task"]) * w))
             total += float(np.sum(w))
         return correct / max(total, 1.0)
-
-
-_LABEL_KEYS = ("task", "attrs", "weight", "extras")
-
-
-def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """The model-input part of a batch (token ids, or images)."""
-    return {k: v for k, v in batch.items() if k not in _LABEL_KEYS}
 
 
 def composition_table(

@@ -78,12 +78,6 @@ class MethodDef:
     def uses_diffs(self) -> bool:
         return self.encoder == "diff" or self.debias == "modular"
 
-    @property
-    def phases(self) -> tuple[str, ...]:
-        """Phases independent of the config (IMP's rounds come from the config:
-        see ``registry.phases_of``)."""
-        return ("l0", "fixmask") if self.uses_diffs else ("train",)
-
 
 @flax.struct.dataclass
 class TrainState:

@@ -83,7 +83,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from moddiffy_jax.methods.common import MethodDef
+from moddiffy_jax.methods.interface import Method
 from moddiffy_jax.objectives.classification import cross_entropy
 from moddiffy_jax.objectives.mutual_info import mutual_information
 from moddiffy_jax.subnets import gates as gates_lib
@@ -100,15 +100,18 @@ TEXT_INCLUDE = (
 )
 _TEXT_INPUT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 
-FFW = MethodDef(
+FFW = Method(
     name="ffw",
     encoder="frozen",
     debias="none",
     description=(
         "FFW surgery: gates on the frozen weights of a finished run "
         "(config.method.core_run), trained against the MI of a bias extractor, "
-        "then hard-pruned (run_ffw; not the shared step loop)."
+        "then hard-pruned (its own driver, not the shared step loop)."
     ),
+    # Gate epochs with their own temperature controller and bias-head
+    # refits do not fit the step loop; the driver shares everything else.
+    driver="moddiffy_jax.surgery:run_ffw",
 )
 METHODS = (FFW,)
 

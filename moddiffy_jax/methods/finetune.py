@@ -1,17 +1,55 @@
-"""Full fine-tuning baselines: Finetune and Finetune-debias (joint adversaries/MMD)."""
+"""The dense family: full fine-tuning and bottleneck adapters, with or without removal.
 
-from moddiffy_jax.methods.common import MethodDef
+* ``finetune``: all encoder params and the task head on the task loss.
+* ``finetune_debias``: the same plus every attribute's removal term in the
+  same step (joint adversaries or MMD).
+* ``adapter``, ``adapter_debias``: bottleneck adapters (Pfeiffer et al.)
+  after each layer's feed-forward block (``moddiffy_jax.models.bert``,
+  ``config.model.adapter_reduction_factor``) and the task head; everything
+  else in the encoder is frozen.
 
-FINETUNE = MethodDef(
-    name="finetune",
-    encoder="full",
-    debias="none",
-    description="All encoder params and the task head trained on the task loss.",
+One ``train`` phase of ``train.num_steps`` steps; the exported core is the
+trained encoder (adapters merged in).
+"""
+
+from moddiffy_jax.methods import standard
+from moddiffy_jax.methods.interface import Method
+
+
+def _family(name: str, encoder: str, debias: str, description: str) -> Method:
+    return Method(
+        name=name,
+        encoder=encoder,
+        debias=debias,
+        description=description,
+        init=standard.init,
+        substeps=standard.substeps,
+        model=standard.model,
+    )
+
+
+FINETUNE = _family(
+    "finetune",
+    "full",
+    "none",
+    "All encoder params and the task head trained on the task loss.",
 )
-FINETUNE_DEBIAS = MethodDef(
-    name="finetune_debias",
-    encoder="full",
-    debias="joint",
-    description="Finetune plus every attribute's removal term in the same step.",
+FINETUNE_DEBIAS = _family(
+    "finetune_debias",
+    "full",
+    "joint",
+    "Finetune plus every attribute's removal term in the same step.",
 )
-METHODS = (FINETUNE, FINETUNE_DEBIAS)
+ADAPTER = _family(
+    "adapter",
+    "adapter",
+    "none",
+    "Adapters and task head trained; the pretrained encoder frozen.",
+)
+ADAPTER_DEBIAS = _family(
+    "adapter_debias",
+    "adapter",
+    "joint",
+    "One adapter trained with the task and every removal term.",
+)
+METHODS = (FINETUNE, FINETUNE_DEBIAS, ADAPTER, ADAPTER_DEBIAS)

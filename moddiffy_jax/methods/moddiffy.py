@@ -1,5 +1,7 @@
-"""MoDDiffy (Hauzenberger et al. 2023): one sparse debiasing diff per attribute.
+"""The diff family: DiffPrun (Guo et al. 2021) and MoDDiffy (Hauzenberger et al. 2023).
 
+* ``diffprun``, ``diffprun_debias``: one sparse task diff on the frozen
+  pretrained encoder (the latter trained with every removal term too).
 * ``moddiffy_par``: per batch, a task step (core and task head, diffs off),
   then one debias step per attribute (core frozen; that attribute's diff,
   its adversaries and the shared task head trained with the task loss, the
@@ -7,22 +9,285 @@
 * ``moddiffy_post``: the core and task head come from a finished finetune
   run (``config.method.core_run``) and stay frozen; one diff per attribute.
 
-Each diff is exported as its own SparseDiff file and can be added to the core
-alone or together with others.
+Two phases: ``l0`` (dense diffs behind hard-concrete gates; with
+``diff.prune_schedule="gradual"`` pruned by magnitude to the budget inside
+the phase, :func:`after_step`) and ``fixmask`` (the kept entries only, after
+the exact cut of :func:`to_fixmask`). Each diff is exported as its own
+SparseDiff file and can be added to the core alone or with others.
 """
 
-from moddiffy_jax.methods.common import MethodDef
+from __future__ import annotations
 
-MODDIFFY_PAR = MethodDef(
-    name="moddiffy_par",
-    encoder="full",
-    debias="modular",
-    description="Core fine-tuned and attribute diffs trained in the same loop.",
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moddiffy_jax import parallel
+from moddiffy_jax.methods import common, standard
+from moddiffy_jax.methods.interface import Method, two_phases
+from moddiffy_jax.subnets import diffs as diffs_lib
+from moddiffy_jax.subnets import masks as masks_lib
+from moddiffy_jax.subnets import selection
+
+
+def diff_keys(method: common.MethodDef, attributes: Sequence[str]) -> list[common.Key]:
+    keys: list[common.Key] = []
+    if method.encoder == "diff":
+        keys.append(("task_diff",))
+    if method.debias == "modular":
+        keys += [("diffs", a) for a in attributes]
+    return keys
+
+
+def diff_name(key: common.Key) -> str:
+    return "task" if key == ("task_diff",) else key[-1]
+
+
+def base_for_diff(ctx, trainable: Mapping, frozen: Mapping, key: common.Key):
+    """The params a diff is relative to (its fingerprint goes in the file)."""
+    if key != ("task_diff",) and "task_diff" in trainable:
+        raise NotImplementedError("attribute diffs on top of a task diff")
+    return standard.model(ctx, trainable, frozen)[0]
+
+
+def to_fixmask(
+    ctx, trainable: dict, frozen: dict, next_phase: str = "fixmask"
+) -> tuple[dict, dict]:
+    """Phase transition: prune every diff to its exact budget.
+
+    Each DiffState becomes the kept values (deterministic gate times delta at
+    the kept entries); their indices move to ``frozen["indices"]``.
+    """
+    cfg = ctx.config
+    include, exclude = standard.diff_rules(cfg)
+    new_trainable, new_frozen = dict(trainable), dict(frozen)
+    indices: dict[str, Any] = {}
+    for key in diff_keys(ctx.method, ctx.attributes):
+        state = common.get_part(trainable, key)
+        values = diffs_lib.dense_diff_values(state, hc=ctx.diff_settings.hc)
+        base = base_for_diff(ctx, trainable, frozen, key)
+        sd = diffs_lib.prune_to_sparsity(
+            jax.device_get(values),
+            keep=cfg.diff.keep,
+            scope=cfg.diff.scope,
+            name=diff_name(key),
+            base_fingerprint="",
+            rules=(include, exclude),
+            info={"method": ctx.method.name},
+        )
+        # Leaves with no kept entry are left out of the trained state (Orbax
+        # cannot store empty arrays); exports restore them from the rules.
+        kept = [p for p in sd.indices if np.size(sd.indices[p])]
+        new_trainable = common.set_part(
+            new_trainable, key, selection.unflatten({p: sd.values[p] for p in kept})
+        )
+        indices = common.set_part(
+            indices, key, selection.unflatten({p: sd.indices[p] for p in kept})
+        )
+        del base
+    new_frozen["indices"] = indices
+    return new_trainable, new_frozen
+
+
+def sparse_diffs_of(
+    ctx, trainable: Mapping, frozen: Mapping, phase: str
+) -> dict[str, diffs_lib.SparseDiff]:
+    """The current diffs as SparseDiffs, each with its base's fingerprint.
+
+    In the ``l0`` phase: the nonzeros of the deterministic-gate diff; in
+    ``fixmask``: the kept entries and their trained values.
+    """
+    include, exclude = standard.diff_rules(ctx.config)
+    info = {"method": ctx.method.name, "keep": ctx.config.diff.keep}
+    out = {}
+    for key in diff_keys(ctx.method, ctx.attributes):
+        base = base_for_diff(ctx, trainable, frozen, key)
+        fp = diffs_lib.fingerprint(base)
+        part = common.get_part(trainable, key)
+        if phase == "l0":
+            dense = diffs_lib.dense_diff_values(part, hc=ctx.diff_settings.hc)
+            out[diff_name(key)] = diffs_lib.SparseDiff.from_dense(
+                jax.device_get(dense),
+                name=diff_name(key),
+                base_fingerprint=fp,
+                rules=(include, exclude),
+                info={**info, "phase": "l0"},
+            )
+            continue
+        # fixmask: exactly the kept entries (some may be zero), in leaf order.
+        idx = selection.flatten(jax.device_get(common.get_part(frozen["indices"], key)))
+        vals = selection.flatten(jax.device_get(part))
+        flat_base = selection.flatten(base)
+        paths = selection.select_paths(base, include, exclude=exclude)
+        dtype = np.asarray(next(iter(vals.values()))).dtype
+        empty_i, empty_v = np.zeros(0, np.int32), np.zeros(0, dtype)
+        out[diff_name(key)] = diffs_lib.SparseDiff(
+            indices={p: np.asarray(idx.get(p, empty_i), np.int32) for p in paths},
+            values={p: np.asarray(vals.get(p, empty_v)) for p in paths},
+            shapes=tuple((p, tuple(np.shape(flat_base[p]))) for p in paths),
+            dtype=str(dtype),
+            name=diff_name(key),
+            base_fingerprint=fp,
+            rules=(include, exclude),
+            info_json=json.dumps({**info, "phase": "fixmask"}, sort_keys=True),
+        )
+    return out
+
+
+def gradual_keep(config, phase_step: int, n_steps: int) -> float | None:
+    """The kept fraction to prune to after L0 step ``phase_step``, or None.
+
+    Gradual pruning (Zhu & Gupta 2018) inside the L0 phase: every
+    ``diff.prune_every`` steps between ``prune_start`` and ``prune_end``
+    (fractions of the phase) the diffs are pruned by magnitude to a kept
+    fraction that falls cubically from 1 to ``diff.keep``, so the diff adapts
+    to each cut and the final exact cut removes nothing the removal relied on.
+    """
+    d = config.diff
+    if not isinstance(d.keep, float) or not 0.0 < d.keep <= 1.0:
+        raise ValueError(
+            "diff.prune_schedule='gradual' needs diff.keep as a fraction in (0, 1], "
+            f"got {d.keep!r}; use prune_schedule='final' for a count."
+        )
+    begin, end = d.prune_start * n_steps, d.prune_end * n_steps
+    if phase_step % d.prune_every or not begin < phase_step < end + d.prune_every:
+        return None
+    schedule = masks_lib.cubic_sparsity_schedule(
+        initial=0.0, final=1.0 - d.keep, begin_step=begin, end_step=end
+    )
+    return 1.0 - float(schedule(phase_step))
+
+
+def adam_second_moment(opt_state: Any, key: common.Key) -> Any:
+    """Adam's ``nu`` for the delta of the diff at ``key`` in a sub-step's state."""
+    stack = [opt_state]
+    while stack:
+        node = stack.pop()
+        inner = getattr(node, "inner_states", None)
+        if isinstance(inner, Mapping) and "diff" in inner:
+            adam = inner["diff"].inner_state[0]
+            return common.get_part(adam.nu, key).delta
+        if isinstance(node, tuple):
+            stack.extend(node)
+    raise ValueError("No Adam state for the 'diff' role in the optimizer state.")
+
+
+def close_diff_gates(
+    ctx, trainable: dict, keep: float, opt_states: Mapping[str, Any]
+) -> dict:
+    """Closes each diff's gates outside its top ``keep`` fraction (host side).
+
+    ``diff.prune_score``: ``magnitude`` ranks ``|z * delta|``; ``taylor`` ranks
+    ``|z * delta| * sqrt(nu)`` with ``nu`` Adam's running mean of the squared
+    gradient, a first-order estimate of how much the objective would change
+    if the entry were removed (Adam moves every entry with a consistent
+    gradient sign at about the learning rate, so magnitude alone says little
+    about importance).
+    """
+    for key in diff_keys(ctx.method, ctx.attributes):
+        state = common.get_part(trainable, key)
+        values = diffs_lib.dense_diff_values(state, hc=ctx.diff_settings.hc)
+        if ctx.config.diff.prune_score == "taylor":
+            sub = "task" if key == ("task_diff",) else f"debias/{key[-1]}"
+            nu = adam_second_moment(opt_states[sub], key)
+            values = jax.tree.map(lambda v, n: v * np.sqrt(n), values, nu)
+        mask = diffs_lib.magnitude_keep_mask(
+            jax.device_get(values), keep=keep, scope=ctx.config.diff.scope
+        )
+        trainable = common.set_part(trainable, key, diffs_lib.close_gates(state, mask))
+    return trainable
+
+
+def values_like(trainable: dict, indices: Mapping, ctx) -> dict:
+    """Zero values shaped like the restored indices (targets for restoring)."""
+    for key in diff_keys(ctx.method, ctx.attributes):
+        idx = common.get_part(indices, key)
+        part = common.get_part(trainable, key)
+        dtype = jax.tree.leaves(part.delta)[0].dtype  # a DiffState before restore
+        trainable = common.set_part(
+            trainable, key, jax.tree.map(lambda i, d=dtype: jnp.zeros(i.shape, d), idx)
+        )
+    return trainable
+
+
+def after_step(
+    ctx, state: common.TrainState, phase: str, phase_step: int, n_steps: int
+):
+    """Gradual pruning inside the L0 phase (``diff.prune_schedule="gradual"``)."""
+    if phase != "l0" or ctx.config.diff.prune_schedule != "gradual":
+        return state, None
+    keep = gradual_keep(ctx.config, phase_step, n_steps)
+    if keep is None:
+        return state, None
+    trainable = close_diff_gates(
+        ctx,
+        jax.device_get(state.trainable),
+        keep,
+        jax.device_get(state.opt_states),
+    )
+    return parallel.replicate(state.replace(trainable=trainable), ctx.mesh), {
+        "diff/keep": keep
+    }
+
+
+def checkpoint_extra(frozen: Mapping[str, Any]) -> Any:
+    """The kept indices (fixmask), saved beside the Orbax state."""
+    return frozen.get("indices", {})
+
+
+def restore(ctx, trainable: dict, frozen: dict, phase: str, extra: Any):
+    """In fixmask the kept indices come from the checkpoint, and the values'
+    shapes follow them."""
+    if phase != "fixmask":
+        return trainable, frozen
+    frozen = {**frozen, "indices": jax.tree.map(jnp.asarray, extra)}
+    return values_like(trainable, frozen["indices"], ctx), frozen
+
+
+def _family(name: str, encoder: str, debias: str, description: str) -> Method:
+    return Method(
+        name=name,
+        encoder=encoder,
+        debias=debias,
+        description=description,
+        init=standard.init,
+        substeps=standard.substeps,
+        model=standard.model,
+        phases_of=two_phases,
+        after_step=after_step,
+        transition=to_fixmask,
+        checkpoint_extra=checkpoint_extra,
+        restore=restore,
+        exports=sparse_diffs_of,
+    )
+
+
+DIFFPRUN = _family(
+    "diffprun",
+    "diff",
+    "none",
+    "A sparse task diff on the frozen pretrained encoder.",
 )
-MODDIFFY_POST = MethodDef(
-    name="moddiffy_post",
-    encoder="frozen",
-    debias="modular",
-    description="Attribute diffs on a frozen core from a finetune run.",
+DIFFPRUN_DEBIAS = _family(
+    "diffprun_debias",
+    "diff",
+    "joint",
+    "A sparse task diff trained with the task and every removal term.",
 )
-METHODS = (MODDIFFY_PAR, MODDIFFY_POST)
+MODDIFFY_PAR = _family(
+    "moddiffy_par",
+    "full",
+    "modular",
+    "Core fine-tuned and attribute diffs trained in the same loop.",
+)
+MODDIFFY_POST = _family(
+    "moddiffy_post",
+    "frozen",
+    "modular",
+    "Attribute diffs on a frozen core from a finetune run.",
+)
+METHODS = (DIFFPRUN, DIFFPRUN_DEBIAS, MODDIFFY_PAR, MODDIFFY_POST)

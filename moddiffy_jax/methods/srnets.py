@@ -48,32 +48,15 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from moddiffy_jax.methods.common import MethodDef
+from moddiffy_jax import checkpoints
+from moddiffy_jax.methods import common, standard
+from moddiffy_jax.methods.interface import Method
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import masks as masks_lib
 from moddiffy_jax.subnets import selection
 
 PyTree = Any
 
-SRNETS_MASK = MethodDef(
-    name="srnets_mask",
-    encoder="mask",
-    debias="none",
-    description="SRNets mask training on frozen weights (straight-through scores).",
-)
-SRNETS_IMP = MethodDef(
-    name="srnets_imp",
-    encoder="imp",
-    debias="none",
-    description="Iterative magnitude pruning, with or without rewinding.",
-)
-SRNETS_RETRAIN = MethodDef(
-    name="srnets_retrain",
-    encoder="retrain",
-    debias="none",
-    description="Fine-tunes the pretrained encoder with a fixed mask of another run.",
-)
-METHODS = (SRNETS_MASK, SRNETS_IMP, SRNETS_RETRAIN)
 
 #: The matrices the paper prunes, in our BERT's names: Q, K, V, attention
 #: output, FFN in and FFN out of every layer. The paper also prunes the pooler;
@@ -106,7 +89,7 @@ def default_srnets_config() -> ml_collections.ConfigDict:
     return c
 
 
-def _rules(cfg: ml_collections.ConfigDict) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def rules(cfg: ml_collections.ConfigDict) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(cfg.srnets.include), tuple(cfg.srnets.exclude)
 
 
@@ -200,7 +183,7 @@ def mask_rules(
     cfg: ml_collections.ConfigDict,
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Rules over :func:`masked_tree` paths (encoder rules get a ``core/`` prefix)."""
-    include, exclude = _rules(cfg)
+    include, exclude = rules(cfg)
     include = tuple(f"core/{r}" for r in include)
     if cfg.srnets.mask_classifier:
         include += (r"task_head/.*kernel",)
@@ -245,7 +228,7 @@ def init_imp_state(
 ) -> tuple[dict, dict]:
     """``srnets_imp``: weights and masks, pruned for round 0 (the reference
     prunes once at step 0)."""
-    include, exclude = _rules(cfg)
+    include, exclude = rules(cfg)
     keep = masks_lib.init_masks(encoder, include, exclude=exclude)
     trainable = {"core": encoder, "task_head": head, "masks": keep}
     frozen = {"start": encoder}
@@ -333,3 +316,197 @@ def mask_change(
         int(np.sum(np.asarray(flat0[p]) != np.asarray(flat[p]))) for p in flat
     )
     return changed / max(sum(int(np.size(m)) for m in flat.values()), 1)
+
+
+# --------------------------------------------------------------------------
+# The loop's hooks (moddiffy_jax.methods.interface).
+
+
+def _start(ctx, rng: jax.Array) -> tuple[PyTree, PyTree]:
+    """Start weights: with ``config.method.core_run`` (paradigm 1) the encoder
+    and classifier of a fine-tuned run; otherwise the pretrained encoder and a
+    new random classifier (paradigm 3's frozen random classifier, or the
+    classifier that IMP and retraining train)."""
+    cfg = ctx.config
+    if not cfg.method.core_run:
+        # The head's key is the one standard.init gives a new head, so one
+        # seed starts every family from the same classifier.
+        r_head, _ = jax.random.split(rng)
+        return ctx.pretrained, ctx.model.init_task_head(r_head)
+    encoder, head, _ = checkpoints.load_core_run(cfg.method.core_run)
+    checkpoints.check_same_structure(encoder, ctx.pretrained, cfg.method.core_run)
+    return encoder, head
+
+
+def _init_mask(ctx, rng: jax.Array) -> tuple[dict, dict]:
+    return init_mask_state(ctx.config, *_start(ctx, rng))
+
+
+def _init_imp(ctx, rng: jax.Array) -> tuple[dict, dict]:
+    trainable, frozen = init_imp_state(ctx.config, *_start(ctx, rng))
+    # Copies: the step donates the trainable buffers, and rewinding reads the
+    # start weights afterwards.
+    return jax.tree.map(jnp.copy, trainable), frozen
+
+
+def _init_retrain(ctx, rng: jax.Array) -> tuple[dict, dict]:
+    if ctx.config.method.core_run:
+        raise ValueError(
+            "srnets_retrain fine-tunes the pretrained encoder with a found mask; "
+            "leave config.method.core_run empty and set config.srnets.mask_run."
+        )
+    encoder, head = _start(ctx, rng)
+    keep, _ = load_mask(ctx.config, encoder)
+    trainable = {
+        "core": masks_lib.apply_binary_masks(encoder, keep),
+        "task_head": head,
+    }
+    return jax.tree.map(jnp.copy, trainable), {"masks": keep, "start": encoder}
+
+
+def _mask_substeps(ctx, phase: str, trainable: dict) -> list[common.SubStep]:
+    """Only the scores train."""
+    loss = common.make_task_loss(
+        ctx.model,
+        ctx.method,
+        phase=phase,
+        diff_settings=None,
+        debias=None,
+        attributes=(),
+        task_loss=ctx.config.method.task_loss,
+    )
+    optimizer = common.make_optimizer(ctx.config.optim)
+    return [common.SubStep("task", (("scores",),), loss, optimizer)]
+
+
+def _reset_step(state: common.TrainState, sparsity: jax.Array) -> common.TrainState:
+    return state.replace(trainable=reset_thresholds(state.trainable, sparsity))
+
+
+_reset_jit = jax.jit(_reset_step, donate_argnums=(0,))
+
+
+def _mask_after_step(ctx, state, phase: str, phase_step: int, n_steps: int):
+    """Every ``srnets.reset_every`` steps: thresholds at the exact target."""
+    if phase_step % ctx.config.srnets.reset_every:
+        return state, None
+    target = target_sparsity(ctx.config, phase_step)
+    return _reset_jit(state, jnp.float32(target)), {"mask/target_sparsity": target}
+
+
+def _mask_model(ctx, trainable: Mapping, frozen: Mapping) -> tuple[PyTree, PyTree]:
+    """The dense frozen core and the classifier as masked (the encoder's mask
+    is the exported ``mask`` diff)."""
+    keep = current_masks(trainable)
+    head = frozen["task_head"]
+    if "task_head" in keep:
+        head = masks_lib.apply_binary_masks(head, keep["task_head"])
+    return frozen["base"], head
+
+
+def _weight_model(ctx, trainable: Mapping, frozen: Mapping) -> tuple[PyTree, PyTree]:
+    return common.subnetwork_params(ctx.method, trainable, frozen)
+
+
+def _mask_exports(ctx, trainable: Mapping, frozen: Mapping, phase: str) -> dict:
+    """The current mask on the encoder as a pruning SparseDiff."""
+    keep = jax.device_get(current_masks(trainable))
+    cfg = ctx.config
+    return {
+        "mask": diffs_lib.pruning_diff(
+            frozen["base"],
+            keep["core"],
+            name="mask",
+            rules=rules(cfg),
+            info={
+                "method": ctx.method.name,
+                "sparsity": cfg.srnets.sparsity,
+                "task_loss": cfg.method.task_loss,
+            },
+        )
+    }
+
+
+def _sparsity(keep: Mapping[str, Any]) -> dict[str, Any]:
+    out = {"sparsity": sparsity_report(keep["core"])}
+    if "task_head" in keep:
+        out["classifier_sparsity"] = sparsity_report(keep["task_head"])
+    return out
+
+
+def _mask_report(ctx, trainable, frozen, export_dir: Path, chief: bool) -> dict:
+    keep = jax.device_get(current_masks(trainable))
+    out = _sparsity(keep)
+    out["mask_changed_vs_init"] = mask_change(
+        ctx.config, frozen["base"], frozen["task_head"], keep
+    )
+    return out
+
+
+def _weight_report(ctx, trainable, frozen, export_dir: Path, chief: bool) -> dict:
+    """Sparsity, and the mask relative to the start weights beside the exported
+    subnetwork (``start + mask`` is the pruned initialisation a retrain run
+    starts from)."""
+    masks = trainable["masks"] if "masks" in trainable else frozen["masks"]
+    keep = {"core": jax.device_get(masks)}
+    if chief:
+        sd = diffs_lib.pruning_diff(
+            frozen["start"],
+            keep["core"],
+            name="mask",
+            rules=rules(ctx.config),
+            info={"method": ctx.method.name, "of": "start weights"},
+        )
+        diffs_lib.save_sparse_diff(export_dir / "mask.safetensors", sd, overwrite=True)
+    return _sparsity(keep)
+
+
+def _imp_steps(cfg: ml_collections.ConfigDict, phase: str) -> int:
+    return imp_phase_steps(cfg, imp_round_of(phase))
+
+
+def _imp_transition(ctx, trainable: dict, frozen: dict, next_phase: str):
+    """Into the next IMP round: prune (and rewind)."""
+    round_index = imp_round_of(next_phase)
+    return imp_prune_round(ctx.config, trainable, frozen, round_index), frozen
+
+
+SRNETS_MASK = Method(
+    name="srnets_mask",
+    encoder="mask",
+    debias="none",
+    description="SRNets mask training on frozen weights (straight-through scores).",
+    init=_init_mask,
+    substeps=_mask_substeps,
+    model=_mask_model,
+    after_step=_mask_after_step,
+    exports=_mask_exports,
+    report=_mask_report,
+    check_config=check_config,
+)
+SRNETS_IMP = Method(
+    name="srnets_imp",
+    encoder="imp",
+    debias="none",
+    description="Iterative magnitude pruning, with or without rewinding.",
+    init=_init_imp,
+    substeps=standard.substeps,
+    model=_weight_model,
+    phases_of=phases,
+    phase_steps=_imp_steps,
+    transition=_imp_transition,
+    report=_weight_report,
+    check_config=check_config,
+)
+SRNETS_RETRAIN = Method(
+    name="srnets_retrain",
+    encoder="retrain",
+    debias="none",
+    description="Fine-tunes the pretrained encoder with a fixed mask of another run.",
+    init=_init_retrain,
+    substeps=standard.substeps,
+    model=_weight_model,
+    report=_weight_report,
+    check_config=check_config,
+)
+METHODS = (SRNETS_MASK, SRNETS_IMP, SRNETS_RETRAIN)

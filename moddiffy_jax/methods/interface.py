@@ -1,0 +1,130 @@
+"""A training method as a value: the functions the loop calls, and nothing else.
+
+A :class:`Method` is to ``moddiffy_jax.train`` what an optax
+``GradientTransformation`` is to an optimiser loop: a frozen dataclass of
+pure functions. The loop asks a method for its phases, its initial state,
+the sub-steps of each phase, what to do after a step and between phases,
+and what to export; it never asks which method it runs. A new method is one
+module of ``moddiffy_jax.methods`` that builds a ``Method`` (from the hooks
+of a family, or its own) and one line in the registry.
+
+Hooks (``ctx`` is a :class:`moddiffy_jax.context.Context`; ``trainable`` and
+``frozen`` are the dicts of named parts described in
+:mod:`moddiffy_jax.methods.common`):
+
+* ``phases(config) -> tuple[str, ...]`` and ``phase_steps(config, phase)``.
+* ``init(ctx, rng) -> (trainable, frozen)``: the state of the first phase.
+* ``substeps(ctx, phase, trainable) -> [SubStep]``: one jitted step runs them
+  in order (:func:`moddiffy_jax.methods.common.make_train_step`).
+* ``after_step(ctx, state, phase, phase_step, n_steps) -> (state, record)``:
+  host-side work after a step (gradual pruning, mask resets); ``record`` is
+  a dict of metrics to log, or None.
+* ``transition(ctx, trainable, frozen, next_phase) -> (trainable, frozen)``:
+  between phases (the cut to an exact budget, an IMP round).
+* ``checkpoint_extra(frozen)`` and ``restore(ctx, trainable, frozen, phase,
+  extra) -> (trainable, frozen)``: host-side state saved beside the Orbax
+  state (sparse indices), and the templates a restore needs.
+* ``model(ctx, trainable, frozen) -> (encoder params, head)``: the core the
+  run exports; ``exports(ctx, trainable, frozen, phase) -> {name:
+  SparseDiff}``: the diffs it exports beside the core (the loop saves them
+  and builds the composition table from them); ``report(ctx, trainable,
+  frozen, export_dir, chief) -> dict``: method-specific results (and files).
+* ``check_config(config)``: clear errors for settings that cannot work,
+  raised when the run's context is built.
+* ``driver``: ``"module:function"`` of a method that runs its own loop
+  (FFW's surgery); the loop hands such a run over whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import ml_collections
+
+from moddiffy_jax.methods.common import MethodDef
+
+PyTree = Any
+
+
+def one_phase(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+    return ("train",)
+
+
+def two_phases(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+    return ("l0", "fixmask")
+
+
+def phase_steps(config: ml_collections.ConfigDict, phase: str) -> int:
+    """Steps of the standard phases: ``train`` (num_steps), ``l0``, ``fixmask``."""
+    steps = {
+        "train": config.train.num_steps,
+        "l0": config.train.l0_steps,
+        "fixmask": config.train.fixmask_steps,
+    }
+    if phase not in steps:
+        raise ValueError(f"No step count for phase {phase!r}; valid: {list(steps)}.")
+    return steps[phase]
+
+
+def no_after_step(ctx, state, phase: str, phase_step: int, n_steps: int):
+    return state, None
+
+
+def no_transition(ctx, trainable: dict, frozen: dict, next_phase: str):
+    return trainable, frozen
+
+
+def no_checkpoint_extra(frozen: Mapping[str, Any]) -> dict:
+    return {}
+
+
+def no_restore(ctx, trainable: dict, frozen: dict, phase: str, extra: Any):
+    return trainable, frozen
+
+
+def no_exports(ctx, trainable, frozen, phase: str) -> dict:
+    return {}
+
+
+def no_report(ctx, trainable, frozen, export_dir: Path, chief: bool) -> dict:
+    return {}
+
+
+def no_check(config: ml_collections.ConfigDict) -> None:
+    return None
+
+
+def _no_loop(*args, **kwargs):
+    raise NotImplementedError("This method runs its own driver (Method.driver).")
+
+
+@dataclasses.dataclass(frozen=True)
+class Method(MethodDef):
+    """A named method: its :class:`MethodDef` fields plus the loop's hooks."""
+
+    init: Callable[..., tuple[dict, dict]] = _no_loop
+    substeps: Callable[..., list] = _no_loop
+    model: Callable[..., tuple[PyTree, PyTree]] = _no_loop
+    phases_of: Callable[[ml_collections.ConfigDict], tuple[str, ...]] = one_phase
+    phase_steps: Callable[[ml_collections.ConfigDict, str], int] = phase_steps
+    after_step: Callable[..., tuple[Any, dict | None]] = no_after_step
+    transition: Callable[..., tuple[dict, dict]] = no_transition
+    checkpoint_extra: Callable[[Mapping[str, Any]], Any] = no_checkpoint_extra
+    restore: Callable[..., tuple[dict, dict]] = no_restore
+    exports: Callable[..., dict] = no_exports
+    report: Callable[..., dict] = no_report
+    check_config: Callable[[ml_collections.ConfigDict], None] = no_check
+    driver: str | None = None
+
+    def run_driver(self, config: ml_collections.ConfigDict, workdir: Any) -> dict:
+        """Runs a method that owns its loop (``driver`` = ``"module:function"``).
+
+        The driver is named, not imported here: the driver imports the
+        method's module, so a direct import would make a circle.
+        """
+        module, _, function = self.driver.partition(":")
+        return getattr(importlib.import_module(module), function)(config, workdir)

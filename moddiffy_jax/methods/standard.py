@@ -1,0 +1,154 @@
+"""Hooks shared by the dense families (fine-tuning, adapters) and the diff family.
+
+Each builds the state named in :mod:`moddiffy_jax.methods.common` from the
+method's ``encoder`` and ``debias`` fields: a task head (trained, or frozen
+from a finished run), the core or base params, adapters, the diffs' dense
+states, and the removal terms' running statistics and adversaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from moddiffy_jax import checkpoints
+from moddiffy_jax.methods import common, removal
+from moddiffy_jax.subnets import diffs as diffs_lib
+from moddiffy_jax.subnets import selection
+
+PyTree = Any
+
+
+def diff_rules(config) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return tuple(config.diff.include), tuple(config.diff.exclude)
+
+
+def _new_diff(ctx, encoder: PyTree) -> diffs_lib.DiffState:
+    include, exclude = diff_rules(ctx.config)
+    return diffs_lib.init_diff(
+        encoder,
+        include,
+        exclude=exclude,
+        hc=ctx.diff_settings.hc,
+        structured=ctx.config.diff.structured,
+    )
+
+
+def init(ctx, rng: jax.Array) -> tuple[dict, dict]:
+    """Trainable and frozen parts at the start of the first phase."""
+    cfg, method, model = ctx.config, ctx.method, ctx.model
+    r_head, r_adv = jax.random.split(rng)
+    trainable: dict[str, Any] = {}
+    frozen: dict[str, Any] = {}
+    encoder = ctx.pretrained
+    if method.encoder == "frozen":
+        encoder, head, _ = checkpoints.load_core_run(cfg.method.core_run)
+        checkpoints.check_same_structure(encoder, ctx.pretrained, cfg.method.core_run)
+        frozen["task_head"] = head
+    else:
+        trainable["task_head"] = model.init_task_head(r_head)
+    if method.encoder == "full":
+        trainable["core"] = encoder
+    elif method.encoder == "adapter":
+        adapter_paths = selection.select_paths(encoder, model.adapter_rule)
+        # Copies: the step donates the trainable buffers, which must not be
+        # shared with the frozen base.
+        trainable["adapters"] = jax.tree.map(
+            jnp.copy, selection.subtree(encoder, adapter_paths)
+        )
+        frozen["base"] = encoder
+    else:
+        frozen["base"] = encoder
+    if method.encoder == "diff":
+        trainable["task_diff"] = _new_diff(ctx, encoder)
+    if method.debias == "modular":
+        trainable["diffs"] = {attr: _new_diff(ctx, encoder) for attr in ctx.attributes}
+    trainable.update(removal_parts(ctx, r_adv))
+    return trainable, frozen
+
+
+def removal_parts(ctx, rng: jax.Array) -> dict[str, Any]:
+    """The removal terms' state: running statistics, task guard, adversaries."""
+    debias, model, out = ctx.debias, ctx.model, {}
+    if debias is None:
+        return out
+    modular = ctx.method.debias == "modular"
+    if debias.objective == "mmd":
+        if debias.mmd_whiten:
+            out[removal.MMD_STATS] = removal.init_mmd_stats(
+                model.feature_dim, ctx.attributes
+            )
+        if debias.fisher_weight > 0.0:
+            out[removal.FISHER_STATS] = removal.init_fisher_stats(
+                debias, model.feature_dim, ctx.attributes
+            )
+        if debias.target_weight > 0.0 and modular:
+            out[removal.TARGET_STATS] = removal.init_target_stats(
+                debias, model.feature_dim, ctx.attributes
+            )
+    if debias.task_guard and modular:
+        out[removal.TASK_GUARD] = removal.init_task_guard(ctx.attributes)
+    if debias.objective == "adversarial":
+        out["adversaries"] = {
+            attr: model.init_adversary(attr, jax.random.fold_in(rng, i))
+            for i, attr in enumerate(ctx.attributes)
+        }
+    return out
+
+
+def substeps(ctx, phase: str, trainable: dict) -> list[common.SubStep]:
+    """A task sub-step (unless the encoder is frozen), then one debias sub-step
+    per attribute for modular methods."""
+    method = ctx.method
+    optimizer = common.make_optimizer(ctx.config.optim)
+    adversarial = ctx.debias is not None and ctx.debias.objective == "adversarial"
+    task_loss = ctx.config.method.task_loss
+    subs = []
+    if method.encoder != "frozen":
+        updates = [(k,) for k in ("core", "adapters", "task_diff") if k in trainable]
+        updates.append(("task_head",))
+        if method.debias == "joint" and adversarial:
+            updates += [("adversaries", a) for a in ctx.attributes]
+        loss = common.make_task_loss(
+            ctx.model,
+            method,
+            phase=phase,
+            diff_settings=ctx.diff_settings,
+            debias=ctx.debias,
+            attributes=ctx.attributes,
+            task_loss=task_loss,
+        )
+        subs.append(common.SubStep("task", tuple(updates), loss, optimizer))
+    if method.debias == "modular":
+        for attr in ctx.attributes:
+            updates = [("diffs", attr)]
+            if adversarial:
+                updates.append(("adversaries", attr))
+            if "task_head" in trainable and not ctx.config.method.freeze_task_head:
+                updates.append(("task_head",))
+            loss = common.make_debias_loss(
+                ctx.model,
+                method,
+                attr,
+                phase=phase,
+                diff_settings=ctx.diff_settings,
+                debias=ctx.debias,
+                task_loss=task_loss,
+            )
+            subs.append(
+                common.SubStep(f"debias/{attr}", tuple(updates), loss, optimizer)
+            )
+    return subs
+
+
+def model(ctx, trainable: Mapping, frozen: Mapping) -> tuple[PyTree, PyTree]:
+    """The exported core (the trained core, or the base with adapters merged)
+    and task head."""
+    core = trainable["core"] if "core" in trainable else frozen["base"]
+    if "adapters" in trainable:
+        core = selection.merge(core, trainable["adapters"])
+    head = trainable["task_head"] if "task_head" in trainable else frozen["task_head"]
+    return core, head
