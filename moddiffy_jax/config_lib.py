@@ -243,6 +243,10 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.ffw = ffw.default_ffw_config("text")
     c.data = default_data_config()
     c.data.vision = vision_data.default_vision_config()
+    from moddiffy_jax.methods import registry
+
+    for name, section in registry.get_method(method).config_sections().items():
+        c[name] = section
     return c
 
 

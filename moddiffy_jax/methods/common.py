@@ -52,6 +52,8 @@ from moddiffy_jax.subnets import masks as masks_lib
 PyTree = Any
 Key = tuple[str, ...]
 
+#: The encoder labels the shared hooks (methods/standard.py, the losses below)
+#: understand; a family with its own hooks may use its own label.
 ENCODER_MODES = ("full", "adapter", "diff", "frozen", "mask", "imp", "retrain")
 TASK_LOSSES = ("ce", "poe", "reweighting", "conf_reg")
 #: Encoder modes whose model is a binary-masked subnetwork (SRNets).
@@ -69,14 +71,13 @@ class MethodDef:
     description: str
 
     def __post_init__(self):
-        if self.encoder not in ENCODER_MODES:
-            raise ValueError(f"encoder must be one of {ENCODER_MODES}")
+        if not isinstance(self.encoder, str) or not self.encoder:
+            raise ValueError(
+                f"encoder must be a non-empty label (the shared hooks know "
+                f"{ENCODER_MODES}), got {self.encoder!r}."
+            )
         if self.debias not in DEBIAS_MODES:
             raise ValueError(f"debias must be one of {DEBIAS_MODES}")
-
-    @property
-    def uses_diffs(self) -> bool:
-        return self.encoder == "diff" or self.debias == "modular"
 
 
 @flax.struct.dataclass
@@ -342,7 +343,16 @@ def task_loss_value(name: str, logits: jax.Array, batch: Mapping[str, Any]):
 def _encoder_and_head(
     method, trainable, frozen, phase, settings, attribute, rng, *, train
 ):
-    """The effective encoder (with ``attribute``'s diff, if any) and task head."""
+    """The method's ``encoder_and_head`` hook, or :func:`standard_encoder_and_head`."""
+    hook = getattr(method, "encoder_and_head", standard_encoder_and_head)
+    return hook(method, trainable, frozen, phase, settings, attribute, rng, train=train)
+
+
+def standard_encoder_and_head(
+    method, trainable, frozen, phase, settings, attribute, rng, *, train
+):
+    """The effective encoder (with ``attribute``'s diff, if any) and task head
+    of the encoder modes in :data:`ENCODER_MODES`."""
     if method.encoder in SUBNETWORK_MODES:
         return subnetwork_params(method, trainable, frozen)
     params = encoder_params(

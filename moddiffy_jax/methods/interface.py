@@ -5,8 +5,9 @@ A :class:`Method` is to ``moddiffy_jax.train`` what an optax
 pure functions. The loop asks a method for its phases, its initial state,
 the sub-steps of each phase, what to do after a step and between phases,
 and what to export; it never asks which method it runs. A new method is one
-module of ``moddiffy_jax.methods`` that builds a ``Method`` (from the hooks
-of a family, or its own) and one line in the registry.
+module of ``moddiffy_jax.methods`` that builds ``Method`` values (from the
+hooks of a family, or its own) and lists them in ``METHODS``; the registry
+finds it.
 
 Hooks (``ctx`` is a :class:`moddiffy_jax.context.Context`; ``trainable`` and
 ``frozen`` are the dicts of named parts described in
@@ -29,6 +30,13 @@ Hooks (``ctx`` is a :class:`moddiffy_jax.context.Context`; ``trainable`` and
   SparseDiff}``: the diffs it exports beside the core (the loop saves them
   and builds the composition table from them); ``report(ctx, trainable,
   frozen, export_dir, chief) -> dict``: method-specific results (and files).
+* ``encoder_and_head(method, trainable, frozen, phase, settings, attribute,
+  rng, *, train) -> (encoder params, head)``: the effective parameters the
+  losses differentiate (with ``attribute``'s module, if any); the default
+  knows the encoder labels of :data:`moddiffy_jax.methods.common.ENCODER_MODES`.
+* ``config_sections() -> {name: ConfigDict}``: the method's own config
+  sections with their defaults, added to its configs by
+  :func:`moddiffy_jax.config_lib.base_config`.
 * ``check_config(config)``: clear errors for settings that cannot work,
   raised when the run's context is built.
 * ``driver``: ``"module:function"`` of a method that runs its own loop
@@ -45,7 +53,7 @@ from typing import Any
 
 import ml_collections
 
-from moddiffy_jax.methods.common import MethodDef
+from moddiffy_jax.methods.common import MethodDef, standard_encoder_and_head
 
 PyTree = Any
 
@@ -98,6 +106,10 @@ def no_check(config: ml_collections.ConfigDict) -> None:
     return None
 
 
+def no_sections() -> dict[str, ml_collections.ConfigDict]:
+    return {}
+
+
 def _no_loop(*args, **kwargs):
     raise NotImplementedError("This method runs its own driver (Method.driver).")
 
@@ -118,6 +130,8 @@ class Method(MethodDef):
     exports: Callable[..., dict] = no_exports
     report: Callable[..., dict] = no_report
     check_config: Callable[[ml_collections.ConfigDict], None] = no_check
+    encoder_and_head: Callable[..., tuple[PyTree, PyTree]] = standard_encoder_and_head
+    config_sections: Callable[[], dict[str, ml_collections.ConfigDict]] = no_sections
     driver: str | None = None
 
     def run_driver(self, config: ml_collections.ConfigDict, workdir: Any) -> dict:

@@ -40,6 +40,12 @@ def _new_diff(ctx, encoder: PyTree) -> diffs_lib.DiffState:
 def init(ctx, rng: jax.Array) -> tuple[dict, dict]:
     """Trainable and frozen parts at the start of the first phase."""
     cfg, method, model = ctx.config, ctx.method, ctx.model
+    if method.encoder not in common.ENCODER_MODES:
+        raise ValueError(
+            f"Method {method.name!r}: the standard hooks know the encoder labels "
+            f"{common.ENCODER_MODES}, not {method.encoder!r}; give the method its "
+            "own init, substeps and encoder_and_head."
+        )
     r_head, r_adv = jax.random.split(rng)
     trainable: dict[str, Any] = {}
     frozen: dict[str, Any] = {}
