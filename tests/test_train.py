@@ -121,12 +121,13 @@ def test_exported_diff_composition_matches_results(par_run):
         if m not in ("moddiffy_par", "finetune", "moddiffy_post")
         and not m.startswith("srnets")  # tests/test_srnets.py
         and m != "ffw"  # tests/test_ffw.py
+        and m != "lora_debias"  # tests/test_lora.py
     ),
 )
 def test_method_runs(method, tmp_path):
     results = train.train_and_evaluate(tiny(method), tmp_path)
     _check_run(tmp_path, results, method)
-    task_diff = {"diffprun", "diffprun_debias"}  # a task diff, no other
+    task_diff = {"diffprun", "diffprun_debias", "lora"}  # a task diff, no other
     expected = ["task"] if method in task_diff else []
     assert [f.stem for f in _exported_diffs(tmp_path)] == expected
 
