@@ -24,18 +24,36 @@ import subprocess
 import sys
 import time
 
-METHODS = (
-    "finetune",
-    "finetune_debias",
-    "adapter",
-    "adapter_debias",
-    "diffprun",
-    "diffprun_debias",
-    "moddiffy_par",
-    "moddiffy_post",
-    "srnets_mask",
-    "srnets_imp",
-)
+# Methods that need another run's outputs beyond a core (a mask run).
+NEEDS_OTHER_RUNS = ("srnets_retrain",)
+
+
+def default_methods() -> tuple[str, ...]:
+    """Every registered method that runs the step loop (FFW has its own driver)."""
+    from moddiffy_jax.methods import registry
+
+    return tuple(
+        name
+        for name, m in sorted(registry.METHODS.items())
+        if m.driver is None and name not in NEEDS_OTHER_RUNS
+    )
+
+
+def _core_run(ctx) -> str:
+    """A temporary finetune-run directory holding the pretrained encoder and a
+    fresh head: the frozen core of post-hoc methods (same shapes, same step)."""
+    import tempfile
+
+    import jax
+
+    from moddiffy_jax import checkpoints
+
+    d = tempfile.mkdtemp(prefix="core_run_")
+    export = os.path.join(d, "export")
+    head = ctx.model.init_task_head(jax.random.PRNGKey(0))
+    checkpoints.save_params(os.path.join(export, "core.safetensors"), ctx.pretrained)
+    checkpoints.save_params(os.path.join(export, "task_head.safetensors"), head)
+    return d
 
 
 def _minilm_dir():
@@ -74,10 +92,9 @@ def run_one(method: str, model: str, batch: int, length: int, steps: int, dtype:
 
     from moddiffy_jax import train
     from moddiffy_jax.config_lib import experiment_config
-    from moddiffy_jax.methods import common, registry
+    from moddiffy_jax.methods import common
 
-    post = method == "moddiffy_post"
-    config = experiment_config("moddiffy_par" if post else method, "data=synthetic")
+    config = experiment_config(method, "data=synthetic")
     with config.unlocked():
         config.train.batch_size = batch
         config.data.max_length = length
@@ -90,12 +107,15 @@ def run_one(method: str, model: str, batch: int, length: int, steps: int, dtype:
             config.model.dir = _bert_base_dir()
             config.model.tokenizer_dir = str(_minilm_dir())
     ctx = train.build_context(config)
-    trainable, frozen = ctx.method.init(ctx, jax.random.PRNGKey(0))
-    if post:
-        # MoDDiffy-post trains the same diffs on a frozen core and head.
-        ctx.method = registry.get_method("moddiffy_post")
-        frozen["base"] = trainable.pop("core")
-        frozen["task_head"] = trainable.pop("task_head")
+    try:
+        trainable, frozen = ctx.method.init(ctx, jax.random.PRNGKey(0))
+    except ValueError as e:  # a post-hoc method: give it a core run
+        if "core_run" not in str(e):
+            raise
+        with config.unlocked():
+            config.method.core_run = _core_run(ctx)
+        ctx = train.build_context(config)
+        trainable, frozen = ctx.method.init(ctx, jax.random.PRNGKey(0))
     phase = ctx.method.phases_of(config)[0]
     substeps = ctx.method.substeps(ctx, phase, trainable)
     state = common.TrainState(
@@ -144,7 +164,7 @@ def run_one(method: str, model: str, batch: int, length: int, steps: int, dtype:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default="")
     parser.add_argument("--models", default="tiny,minilm")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--length", type=int, default=32)
@@ -159,11 +179,12 @@ def main():
         )
         print("RESULT " + json.dumps(result))
         return
+    methods = args.methods or ",".join(default_methods())
     rows = []
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     machine = f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     for model in args.models.split(","):
-        for method in args.methods.split(","):
+        for method in methods.split(","):
             cmd = [
                 sys.executable,
                 __file__,
