@@ -32,7 +32,6 @@ callable, so the training loop can report them without the probes.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 import time
@@ -48,10 +47,12 @@ from absl import logging
 
 from moddiffy_jax import checkpoints
 from moddiffy_jax.data import bias as bias_lib
+from moddiffy_jax.data import model_inputs
 from moddiffy_jax.eval import inlp as inlp_lib
 from moddiffy_jax.eval import metrics as metrics_lib
 from moddiffy_jax.eval import ood as ood_lib
 from moddiffy_jax.eval import probes as probes_lib
+from moddiffy_jax.eval.evaluator import Evaluator, compositions
 from moddiffy_jax.subnets import diffs as diffs_lib
 
 SPLITS = ("train", "dev", "test")
@@ -128,20 +129,6 @@ def load_artifacts(workdir: str | Path) -> RunArtifacts:
     return RunArtifacts(core=core, head=head, diffs=diffs)
 
 
-def _subsets(names: Sequence[str], max_size: int | None) -> list[tuple[str, ...]]:
-    top = len(names) if max_size is None else min(max_size, len(names))
-    return [()] + [
-        c for r in range(1, top + 1) for c in itertools.combinations(names, r)
-    ]
-
-
-def _label(subset: Sequence[str], weights: Mapping[str, float]) -> str:
-    if not subset:
-        return "core"
-    parts = [n if weights.get(n, 1.0) == 1.0 else f"{weights[n]:g}*{n}" for n in subset]
-    return "core+" + "+".join(parts)
-
-
 class Representer:
     """CLS representations and task logits of any encoder params (jitted)."""
 
@@ -162,10 +149,7 @@ class Representer:
 
         out = []
         for batch in eval_batches(split, self.batch_size):
-            inputs = {
-                k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")
-            }
-            h = np.asarray(self._represent(params, inputs))
+            h = np.asarray(self._represent(params, model_inputs(batch)))
             out.append(h[batch["weight"] > 0])
         return np.concatenate(out)
 
@@ -413,7 +397,6 @@ def evaluate_run(
       The results (also written to ``workdir/eval/results.json``).
     """
     from moddiffy_jax.context import build_context
-    from moddiffy_jax.eval.evaluator import Evaluator
 
     start = time.time()
     workdir = Path(workdir)
@@ -446,27 +429,27 @@ def evaluate_run(
             f"(its diffs: {art.attribute_diffs})."
         )
     evaluator = Evaluator(ctx)
-    base = art.core
-    if "task" in art.diffs:  # DiffPrun: the task diff is part of the model.
-        base = evaluator.compose(art.core, [art.diffs["task"]])
     rep = Representer(ctx, batch_size)
     # The run's attribute order (as in its own results), then any other diff.
     names = [a for a in ctx.attributes if a in art.diffs]
     names += [n for n in art.attribute_diffs if n not in names]
-    attr_diffs = [art.diffs[n] for n in names]
     ood_sets = load_run_ood_sets(config, ctx.data.task_classes)
     rows: dict[str, Any] = {}
     core_reps = core_ood_reps = None
-    for subset in _subsets(names, max_subset_size):
-        w = [weights.get(n, 1.0) if n in subset else 0.0 for n in names]
-        params = evaluator.compose(base, attr_diffs, w) if names else base
+    for label, subset, params in compositions(
+        evaluator,
+        art.core,
+        art.diffs,
+        names,
+        weights=weights,
+        max_subset_size=max_subset_size,
+    ):
         reps = {s: rep.represent(params, s) for s in rep_splits}
         ood_reps = {
             n: rep.represent_split(params, o.split) for n, o in ood_sets.items()
         }
         if not subset:
             core_reps, core_ood_reps = reps, ood_reps
-        label = _label(subset, weights)
         logging.info("Evaluating %s", label)
         rows[label] = _row(
             ctx,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -68,6 +68,52 @@ class Evaluator:
         return correct / max(total, 1.0)
 
 
+def subsets(names: Sequence[str], max_size: int | None = None) -> list[tuple]:
+    """The empty subset, every single name, then every larger subset in order."""
+    top = len(names) if max_size is None else min(max_size, len(names))
+    return [()] + [
+        c for r in range(1, top + 1) for c in itertools.combinations(names, r)
+    ]
+
+
+def subset_label(
+    subset: Sequence[str], weights: Mapping[str, float] | None = None
+) -> str:
+    """``core``, ``core+gender``, ``core+0.5*gender+age``..."""
+    weights = weights or {}
+    if not subset:
+        return "core"
+    parts = [n if weights.get(n, 1.0) == 1.0 else f"{weights[n]:g}*{n}" for n in subset]
+    return "core+" + "+".join(parts)
+
+
+def compositions(
+    evaluator: Evaluator,
+    core: Any,
+    diffs: Mapping[str, diffs_lib.SparseDiff],
+    names: Sequence[str] | None = None,
+    *,
+    weights: Mapping[str, float] | None = None,
+    max_subset_size: int | None = None,
+) -> Iterator[tuple[str, tuple, Any]]:
+    """``(label, subset, encoder params)`` of the core and every subset of diffs.
+
+    A ``task`` diff (DiffPrun, LoRA) is part of the model: it is added to the
+    core in every row. ``names`` orders the attribute diffs (default: the
+    order of ``diffs``); ``weights`` scales them (default 1).
+    """
+    weights = dict(weights or {})
+    base = core
+    if "task" in diffs:
+        base = evaluator.compose(core, [diffs["task"]])
+    names = [n for n in (names or diffs) if n != "task"]
+    attr_diffs = [diffs[n] for n in names]
+    for subset in subsets(names, max_subset_size):
+        w = [weights.get(n, 1.0) if n in subset else 0.0 for n in names]
+        params = evaluator.compose(base, attr_diffs, w) if names else base
+        yield subset_label(subset, weights), subset, params
+
+
 def composition_table(
     ctx: Context,
     evaluator: Evaluator,
@@ -81,19 +127,8 @@ def composition_table(
 
     ``params_out``, if given, receives ``label -> (encoder params, head)``.
     """
-    names = [n for n in sparse if n != "task"]
-    base = core
-    if "task" in sparse:  # DiffPrun: the task diff is part of the model itself.
-        base = evaluator.compose(core, [sparse["task"]])
     rows = {}
-    subsets = [()] + [
-        c for r in range(1, len(names) + 1) for c in itertools.combinations(names, r)
-    ]
-    attr_diffs = [sparse[n] for n in names]
-    for subset in subsets:
-        weights = [1.0 if n in subset else 0.0 for n in names]
-        params = evaluator.compose(base, attr_diffs, weights) if names else base
-        label = "core" if not subset else "core+" + "+".join(subset)
+    for label, _, params in compositions(evaluator, core, sparse):
         rows[label] = {
             f"{s}_task_acc": evaluator.task_accuracy(params, head, s) for s in splits
         }
