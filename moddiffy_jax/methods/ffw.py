@@ -112,6 +112,7 @@ FFW = Method(
     # Gate epochs with their own temperature controller and bias-head
     # refits do not fit the step loop; the driver shares everything else.
     driver="moddiffy_jax.surgery:run_ffw",
+    config_sections=lambda: {"ffw": default_ffw_config("text")},
 )
 METHODS = (FFW,)
 

@@ -471,6 +471,10 @@ def _imp_transition(ctx, trainable: dict, frozen: dict, next_phase: str):
     return imp_prune_round(ctx.config, trainable, frozen, round_index), frozen
 
 
+def _sections() -> dict[str, ml_collections.ConfigDict]:
+    return {"srnets": default_srnets_config()}
+
+
 SRNETS_MASK = Method(
     name="srnets_mask",
     encoder="mask",
@@ -483,6 +487,7 @@ SRNETS_MASK = Method(
     exports=_mask_exports,
     report=_mask_report,
     check_config=check_config,
+    config_sections=_sections,
 )
 SRNETS_IMP = Method(
     name="srnets_imp",
@@ -497,6 +502,7 @@ SRNETS_IMP = Method(
     transition=_imp_transition,
     report=_weight_report,
     check_config=check_config,
+    config_sections=_sections,
 )
 SRNETS_RETRAIN = Method(
     name="srnets_retrain",
@@ -508,5 +514,6 @@ SRNETS_RETRAIN = Method(
     model=_weight_model,
     report=_weight_report,
     check_config=check_config,
+    config_sections=_sections,
 )
 METHODS = (SRNETS_MASK, SRNETS_IMP, SRNETS_RETRAIN)
