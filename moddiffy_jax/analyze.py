@@ -2,64 +2,63 @@
 
 Usage::
 
-    python -m moddiffy_jax.analyze DIR [DIR ...] [--out OUTDIR] [--nonzero-only]
-        [--split {test,dev}]
+    python -m moddiffy_jax.analyze DIR [DIR ...] [--out=OUTDIR] [--nonzero_only]
+        [--split=test|dev]
 
 Writes per run a sparsity CSV and heatmap and the overlap between its diffs;
 across several runs the overlap of same-named diffs (e.g. gender over seeds);
 a task-accuracy vs leakage plot where runs have ``eval/results.json``; and a
 ``summary.md``. Default output: ``DIR/analysis`` for one run, ``./analysis``
-for several. Prints the paths it wrote. See
-:func:`moddiffy_jax.analysis.analyze_runs`.
+for several. Prints the paths it wrote. Flags are absl flags, as for
+``moddiffy_jax.main``. See :func:`moddiffy_jax.analysis.analyze_runs`.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
+from absl import flags
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m moddiffy_jax.analyze",
-        description=(
-            "Sparsity, overlap and trade-off analysis of moddiffy_jax run "
-            "directories (written by python -m moddiffy_jax.main)."
-        ),
-    )
-    parser.add_argument("run_dirs", nargs="+", metavar="DIR", help="run directories")
-    parser.add_argument(
-        "--out",
-        default=None,
-        help="output directory (default: DIR/analysis for one run, ./analysis "
-        "for several)",
-    )
-    parser.add_argument(
-        "--nonzero-only",
-        action="store_true",
-        help="overlaps count only stored entries whose value is not 0",
-    )
-    parser.add_argument(
-        "--split",
-        choices=("test", "dev"),
-        default="test",
-        help="task accuracy split for the trade-off plot (default: test)",
-    )
-    return parser
+from moddiffy_jax.evaluate import parse
+
+FLAGS = flags.FlagValues()
+flags.DEFINE_string(
+    "out",
+    None,
+    "Output directory (default: DIR/analysis for one run, ./analysis for several).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_bool(
+    "nonzero_only",
+    False,
+    "Overlaps count only stored entries whose value is not 0.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_enum(
+    "split",
+    "test",
+    ["test", "dev"],
+    "Task accuracy split for the trade-off plot.",
+    flag_values=FLAGS,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the CLI; returns the exit status (2 for a bad run directory)."""
-    args = _parser().parse_args(argv)
+    """Runs the CLI; returns the exit status (2 for a bad run directory or flag)."""
+    try:
+        run_dirs = parse(argv, FLAGS)
+    except flags.Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not run_dirs:
+        print("error: give one or more run directories", file=sys.stderr)
+        return 2
     from moddiffy_jax.analysis import RunError, analyze_runs
 
     try:
         written = analyze_runs(
-            args.run_dirs,
-            out=args.out,
-            nonzero_only=args.nonzero_only,
-            split=args.split,
+            run_dirs, out=FLAGS.out, nonzero_only=FLAGS.nonzero_only, split=FLAGS.split
         )
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)

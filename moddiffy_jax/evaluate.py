@@ -10,69 +10,100 @@ works on runs trained elsewhere. Writes ``DIR/eval/results.json`` and
     python -m moddiffy_jax.evaluate --aggregate runs/par_s0 runs/par_s1 runs/par_s2
 
 ``--aggregate`` reads the evaluated runs of one experiment (different training
-seeds) and prints mean ± std over runs per configuration.
+seeds), given as the positional arguments, and prints mean ± std over runs
+per configuration. Flags are absl flags, as for ``moddiffy_jax.main``
+(``--noinlp``, ``--nolinear`` turn the INLP rows and linear probes off).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
+from collections.abc import Sequence
+
+from absl import flags
+
+FLAGS = flags.FlagValues()
+flags.DEFINE_string("workdir", None, "Run directory to evaluate.", flag_values=FLAGS)
+flags.DEFINE_bool(
+    "aggregate",
+    False,
+    "Aggregate the evaluated runs given as positional arguments.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_multi_string(
+    "weight", [], "NAME=VALUE: the weight of one diff (repeat).", flag_values=FLAGS
+)
+flags.DEFINE_list("seeds", ["0", "1", "2"], "Probe seeds.", flag_values=FLAGS)
+flags.DEFINE_integer("max_epochs", 40, "Probe epochs.", flag_values=FLAGS)
+flags.DEFINE_integer(
+    "max_subset_size", None, "Largest number of diffs combined.", flag_values=FLAGS
+)
+flags.DEFINE_bool("inlp", True, "Add the INLP rows.", flag_values=FLAGS)
+flags.DEFINE_bool(
+    "linear", True, "Add a linear probe to every entry.", flag_values=FLAGS
+)
 
 
-def _weights(items):
+def _weights(items: Sequence[str]) -> dict[str, float]:
     out = {}
-    for item in items or ():
+    for item in items:
         name, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"error: --weight takes NAME=VALUE, got {item!r}")
+            raise ValueError(f"--weight takes NAME=VALUE, got {item!r}")
         out[name] = float(value)
     return out
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workdir", help="run directory")
-    parser.add_argument(
-        "--aggregate", nargs="+", metavar="RUN", help="evaluated runs to aggregate"
-    )
-    parser.add_argument("--weight", action="append", help="NAME=VALUE per diff")
-    parser.add_argument("--seeds", default="0,1,2", help="probe seeds")
-    parser.add_argument("--max-epochs", type=int, default=40)
-    parser.add_argument("--max-subset-size", type=int, default=None)
-    parser.add_argument("--no-inlp", action="store_true")
-    parser.add_argument("--no-linear", action="store_true")
-    args = parser.parse_args(argv)
+def parse(argv: Sequence[str] | None, flag_values: flags.FlagValues) -> list[str]:
+    """Parses ``argv`` (without the program name; default ``sys.argv[1:]``)
+    into ``flag_values`` afresh; returns the positional arguments."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    flag_values.unparse_flags()
+    return flag_values([sys.argv[0]] + argv)[1:]
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the CLI; returns the exit status (2 for a bad run or flag)."""
+    try:
+        runs = parse(argv, FLAGS)
+        weights = _weights(FLAGS.weight)
+    except (flags.Error, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from moddiffy_jax.eval import aggregate, composition, probes
 
-    if args.aggregate:
+    if FLAGS.aggregate:
         try:
-            agg = aggregate.aggregate_runs(args.aggregate)
+            agg = aggregate.aggregate_runs(runs)
         except (FileNotFoundError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         print(aggregate.format_aggregate(agg))
         return 0
-    if not args.workdir:
-        parser.error("--workdir (or --aggregate RUN...) is required")
-
+    if not FLAGS.workdir or runs:
+        print(
+            "error: give --workdir=DIR (or --aggregate RUN...); "
+            f"unexpected arguments: {runs}",
+            file=sys.stderr,
+        )
+        return 2
     config = probes.ProbeConfig(
-        seeds=tuple(int(s) for s in args.seeds.split(",")), max_epochs=args.max_epochs
+        seeds=tuple(int(s) for s in FLAGS.seeds), max_epochs=FLAGS.max_epochs
     )
     try:
         results = composition.evaluate_run(
-            args.workdir,
+            FLAGS.workdir,
             probe_config=config,
-            weights=_weights(args.weight),
-            max_subset_size=args.max_subset_size,
-            inlp=not args.no_inlp,
-            linear=not args.no_linear,
+            weights=weights,
+            max_subset_size=FLAGS.max_subset_size,
+            inlp=FLAGS.inlp,
+            linear=FLAGS.linear,
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(composition.format_report(results))
-    print(f"written: {args.workdir}/eval/results.json, {args.workdir}/eval/report.md")
+    print(f"written: {FLAGS.workdir}/eval/results.json, {FLAGS.workdir}/eval/report.md")
     return 0
 
 

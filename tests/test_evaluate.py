@@ -78,7 +78,7 @@ def test_diff_from_another_base_is_refused(run, tmp_path):
     checkpoints.save_params(core_path, other, metadata=meta, overwrite=True)
     with pytest.raises(ValueError, match="fingerprint"):
         composition.evaluate_run(mixed, probe_config=FAST_PROBES)
-    assert evaluate.main(["--workdir", str(mixed), "--max-epochs", "1"]) == 2
+    assert evaluate.main(["--workdir", str(mixed), "--max_epochs=1"]) == 2
 
 
 def test_partial_run_is_refused(run, tmp_path, capsys):
@@ -103,3 +103,22 @@ def test_analyze_on_a_trained_run(run, tmp_path, capsys):
     assert (out / "sparsity_heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = (out / "summary.md").read_text()
     assert "gender" in summary and "age" in summary
+
+
+def test_command_lines_take_absl_flags(capsys):
+    from moddiffy_jax import analyze, evaluate
+
+    runs = evaluate.parse(["a", "--weight=g=0.5", "b", "--noinlp"], evaluate.FLAGS)
+    assert runs == ["a", "b"]
+    assert evaluate.FLAGS.weight == ["g=0.5"] and not evaluate.FLAGS.inlp
+    assert evaluate.parse([], evaluate.FLAGS) == []  # parsed afresh each time
+    assert evaluate.FLAGS.weight == [] and evaluate.FLAGS.inlp
+    assert analyze.parse(["r1", "--out", "/o", "r2"], analyze.FLAGS) == ["r1", "r2"]
+    assert analyze.FLAGS.out == "/o"
+    assert evaluate.main(["--bogus"]) == 2
+    assert "bogus" in capsys.readouterr().err
+    assert evaluate.main(["--weight=x"]) == 2
+    assert "NAME=VALUE" in capsys.readouterr().err
+    assert evaluate.main([]) == 2 and "--workdir" in capsys.readouterr().err
+    assert analyze.main(["--split=train"]) == 2
+    assert analyze.main([]) == 2
