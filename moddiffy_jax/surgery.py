@@ -25,6 +25,7 @@ import numpy as np
 from absl import logging
 
 from moddiffy_jax import checkpoints
+from moddiffy_jax.data import model_inputs
 from moddiffy_jax.eval import metrics as metrics_lib
 from moddiffy_jax.methods.ffw import (
     GateTrainState,
@@ -41,7 +42,6 @@ from moddiffy_jax.methods.ffw import (
     make_gate_step,
     make_ph_epoch,
     make_ph_optimizer,
-    model_inputs,
     pad_rows,
     split_part,
     step_plateau,
@@ -165,7 +165,7 @@ class _Surgeon:
         return (int(self.config.seed), *(int(t) for t in tags))
 
     def batch_arrays(self, batch: Mapping[str, Any], weight: np.ndarray):
-        inputs = model_inputs(self.model, batch)
+        inputs = model_inputs(batch)
         task = np.asarray(batch["task"], np.int32)
         bias = {a: np.asarray(batch["attrs"][a], np.int32) for a in self.attributes}
         return inputs, task, bias, np.asarray(weight, np.float32)
@@ -174,7 +174,7 @@ class _Surgeon:
         split = self.ctx.data.splits[self.splits["gate_train"]]
         batch = split.take(np.zeros(1, np.int64))
         h, _ = jax.eval_shape(
-            self.features_fn, self.base, model_inputs(self.model, batch)
+            self.features_fn, self.base, model_inputs(batch)
         )
         return int(h.shape[-1])
 
@@ -189,7 +189,7 @@ class _Surgeon:
         hs, logits = [], []
         labels = {"task": []} | {a: [] for a in self.attributes}
         for batch in eval_batches(split, self.config.eval.batch_size):
-            h, lg = self.features_fn(params, model_inputs(self.model, batch))
+            h, lg = self.features_fn(params, model_inputs(batch))
             hs.append(h)
             logits.append(lg)
             if split_name not in self._labels:

@@ -464,7 +464,7 @@ def images():
 def test_model_shapes_and_state(arch, images):
     model, enc = _model(arch)
     batch = {"image": images, "task": jnp.zeros(6, jnp.int32)}
-    assert model.inputs(batch).keys() == {"image"}
+    assert pipeline.model_inputs(batch).keys() == {"image"}
     h = model.represent(enc, batch, None, train=False)
     f = TINY[arch]["widths"][-1]
     assert h.shape == (6, f) and h.dtype == jnp.float32 and model.feature_dim == f

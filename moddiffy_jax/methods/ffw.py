@@ -41,11 +41,11 @@ temperature controller (:func:`step_temperature`) and the PH plateau rule
 so a decay never recompiles the step.
 
 Model duck type (``train.build_context(config).model``):
-``represent(params, batch, rng, train) -> h [B, H]``,
-``task_logits(head, h, rng, train) -> [B, C]``, optionally ``inputs(batch)``
-(the model's input arrays of a batch dict; text models use the token-id
-keys), ``prunable_rule`` (default gate selection over the encoder params)
-and ``structured_followers(encoder_params)`` (per-channel followers of each
+``represent(params, inputs, rng, train) -> h [B, H]`` (``inputs``: a batch
+dict without its labels, :func:`moddiffy_jax.data.model_inputs`),
+``task_logits(head, h, rng, train) -> [B, C]``, optionally ``prunable_rule``
+(default gate selection over the encoder params) and
+``structured_followers(encoder_params)`` (per-channel followers of each
 kernel, see :func:`moddiffy_jax.subnets.gates.apply_structured_gates`).
 Everything runs in eval mode (``train=False``: BN running statistics, no
 dropout), as the reference does.
@@ -98,7 +98,6 @@ TEXT_INCLUDE = (
     r"encoder/layer_\d+/(attention/self/(query|key|value)|attention/output/dense"
     r"|intermediate/dense|output/dense)/kernel"
 )
-_TEXT_INPUT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 
 FFW = Method(
     name="ffw",
@@ -514,13 +513,6 @@ def pad_rows(order: np.ndarray, batch_size: int):
     idx = np.concatenate([order, np.zeros(pad, order.dtype)]).astype(np.int32)
     w = np.concatenate([np.ones(n, np.float32), np.zeros(pad, np.float32)])
     return idx.reshape(nb, batch_size), w.reshape(nb, batch_size)
-
-
-def model_inputs(model: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
-    """The model's input arrays of a batch dict (``model.inputs`` if it has one)."""
-    if hasattr(model, "inputs"):
-        return dict(model.inputs(batch))
-    return {k: batch[k] for k in _TEXT_INPUT_KEYS if k in batch}
 
 
 def gate_selection(

@@ -351,10 +351,6 @@ class VisionModel:
         h = jnp.zeros((1, self.feature_dim), jnp.float32)
         return dict(flax.core.unfreeze(self.task_head.init(rng, h))["params"])
 
-    def inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        """The model-input part of a batch: ``{"image": [B, H, W, C]}``."""
-        return {"image": batch["image"]}
-
     def structured_followers(
         self, encoder_params: Mapping[str, Any]
     ) -> dict[str, tuple[str, ...]]:
