@@ -173,9 +173,7 @@ class _Surgeon:
     def feature_dim(self) -> int:
         split = self.ctx.data.splits[self.splits["gate_train"]]
         batch = split.take(np.zeros(1, np.int64))
-        h, _ = jax.eval_shape(
-            self.features_fn, self.base, model_inputs(batch)
-        )
+        h, _ = jax.eval_shape(self.features_fn, self.base, model_inputs(batch))
         return int(h.shape[-1])
 
     def features(
