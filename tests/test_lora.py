@@ -12,21 +12,9 @@ from moddiffy_jax.config_lib import experiment_config
 from moddiffy_jax.methods import lora, registry
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import selection
+from tests.helpers import tiny
 
 leaves = jax.tree.leaves
-
-
-def tiny(method, **overrides):
-    config = experiment_config(method, "model=tiny")
-    with config.unlocked():
-        config.train.progress = False
-        for key, value in overrides.items():
-            node = config
-            *parents, last = key.split(".")
-            for p in parents:
-                node = node[p]
-            node[last] = value
-    return config
 
 
 @pytest.fixture(scope="module")

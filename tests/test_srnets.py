@@ -12,7 +12,7 @@ from moddiffy_jax.methods import srnets
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import masks as masks_lib
 from moddiffy_jax.subnets import selection
-from tests.test_train import tiny
+from tests.helpers import tiny
 
 # Scores move fast enough on the tiny model to change the mask in a few steps.
 MASK = {"srnets.reset_every": 2, "optim.lr_scores": 0.05, "train.num_steps": 6}

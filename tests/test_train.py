@@ -15,21 +15,9 @@ from moddiffy_jax.config_lib import experiment_config, parse_arg
 from moddiffy_jax.methods import METHODS, common, registry, removal
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import selection
+from tests.helpers import tiny
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-
-
-def tiny(method, arg="", **overrides):
-    """The tiny config of ``method`` (``arg``: more ``key=value`` arguments)."""
-    config = experiment_config(method, ",".join(filter(None, ["model=tiny", arg])))
-    with config.unlocked():
-        for key, value in overrides.items():
-            node = config
-            *parents, last = key.split(".")
-            for p in parents:
-                node = node[p]
-            node[last] = value
-    return config
 
 
 @pytest.fixture(scope="module")

@@ -13,40 +13,26 @@ trained encoder (adapters merged in).
 """
 
 from moddiffy_jax.methods import standard
-from moddiffy_jax.methods.interface import Method
 
-
-def _family(name: str, encoder: str, debias: str, description: str) -> Method:
-    return Method(
-        name=name,
-        encoder=encoder,
-        debias=debias,
-        description=description,
-        init=standard.init,
-        substeps=standard.substeps,
-        model=standard.model,
-    )
-
-
-FINETUNE = _family(
+FINETUNE = standard.method(
     "finetune",
     "full",
     "none",
     "All encoder params and the task head trained on the task loss.",
 )
-FINETUNE_DEBIAS = _family(
+FINETUNE_DEBIAS = standard.method(
     "finetune_debias",
     "full",
     "joint",
     "Finetune plus every attribute's removal term in the same step.",
 )
-ADAPTER = _family(
+ADAPTER = standard.method(
     "adapter",
     "adapter",
     "none",
     "Adapters and task head trained; the pretrained encoder frozen.",
 )
-ADAPTER_DEBIAS = _family(
+ADAPTER_DEBIAS = standard.method(
     "adapter_debias",
     "adapter",
     "joint",

@@ -249,14 +249,11 @@ def restore(ctx, trainable: dict, frozen: dict, phase: str, extra: Any):
 
 
 def _family(name: str, encoder: str, debias: str, description: str) -> Method:
-    return Method(
-        name=name,
-        encoder=encoder,
-        debias=debias,
-        description=description,
-        init=standard.init,
-        substeps=standard.substeps,
-        model=standard.model,
+    return standard.method(
+        name,
+        encoder,
+        debias,
+        description,
         phases_of=two_phases,
         after_step=after_step,
         transition=to_fixmask,

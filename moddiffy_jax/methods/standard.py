@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from moddiffy_jax import checkpoints
 from moddiffy_jax.methods import common, removal
+from moddiffy_jax.methods.interface import Method
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import selection
 
@@ -158,3 +159,16 @@ def model(ctx, trainable: Mapping, frozen: Mapping) -> tuple[PyTree, PyTree]:
         core = selection.merge(core, trainable["adapters"])
     head = trainable["task_head"] if "task_head" in trainable else frozen["task_head"]
     return core, head
+
+
+def method(name: str, encoder: str, debias: str, description: str, **hooks) -> Method:
+    """A :class:`Method` on the standard init, sub-steps and model; ``hooks``
+    add to or replace them (the diff family's phases, pruning and exports)."""
+    standard = {"init": init, "substeps": substeps, "model": model}
+    return Method(
+        name=name,
+        encoder=encoder,
+        debias=debias,
+        description=description,
+        **(standard | hooks),
+    )
