@@ -11,6 +11,10 @@ converting and loading checkpoint directories (:func:`load_pretrained`,
 """
 
 from moddiffy_jax.models.bert_files import (
+    DEFAULT_MODEL_PACKAGE,
+    DEFAULT_MODEL_PIP,
+    MODEL_DIR_ENV,
+    SAFETENSORS_FILE,
     _flatten,
     _unflatten,
     convert_hf_state_dict,
@@ -19,10 +23,6 @@ from moddiffy_jax.models.bert_files import (
     resolve_model_dir,
 )
 from moddiffy_jax.models.bert_model import (
-    DEFAULT_MODEL_PACKAGE,
-    DEFAULT_MODEL_PIP,
-    MODEL_DIR_ENV,
-    SAFETENSORS_FILE,
     BertAttention,
     BertConfig,
     BertEmbeddings,

