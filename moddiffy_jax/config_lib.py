@@ -76,81 +76,11 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.method = ml_collections.ConfigDict()
     c.method.name = method
     c.method.attributes = ()  # empty: every attribute of the dataset.
-    # "mmd" (default) or "adversarial". Measured on MiniLM (docs/efficacy.md):
-    # adversaries, by gradient reversal or confusion, are fooled in the loop
-    # while a fresh probe reads the attribute as well as on the core; the
-    # unbiased task-conditional MMD with gradual pruning removes part of it.
-    c.method.objective = "mmd"
-    c.method.adv_lambda = 1.0
-    # "grl": gradient reversal (the paper); "confusion": the adversaries fit
-    # detached representations and the encoder/diff pulls their prediction to
-    # the attribute distribution given the task label (objectives/adversarial).
-    c.method.adv_loss = "grl"
-    c.method.mmd_weight = 10.0  # 3 removed less, same task cost (efficacy.md)
-    # MMD kernel: "gaussian" (scale-invariant multi-bandwidth), "linear"
-    # (first-moment matching), or "both". Conditioning on the task label:
-    # "stratify" compares the attribute's groups within each task class,
-    # "reweight" weights members by P(a) / P(a | y) so each group has the
-    # marginal task distribution, "residual" reweights after subtracting each
-    # task class's batch mean (no task distance left in the kernel), "none"
-    # ignores the task (objectives/mmd.py).
-    c.method.mmd_kernel = "both"
-    c.method.mmd_conditional = "stratify"
-    # Whitening: the kernels read the representations in the metric of a
-    # running within-group covariance (EMA with this decay; ridge of shrinkage
-    # times the geometric mean of the eigenvalues seen), the metric a fresh
-    # linear probe reads. Without it a diff can meet the MMD by inflating one
-    # direction while a probe still reads the attribute (docs/efficacy.md).
-    c.method.mmd_whiten = True
-    c.method.mmd_whiten_decay = 0.98
-    c.method.mmd_whiten_shrinkage = 0.1
-    # Whose scatter: "attribute" (the groups a probe of the attribute tells
-    # apart; the task's spread counts) or "cell" ((task, attribute) pairs).
-    c.method.mmd_whiten_within = "attribute"
-    # Running linear erasure (objectives/erasure.py): the whitened distance
-    # of the attribute groups' means, read along a running average of where
-    # they differ (a per-batch estimate is mostly sampling noise). Weight
-    # (0 = off) and the running average's decay.
-    # Measured on MiniLM (docs/efficacy.md, "Stop 13"): with it a linear
-    # probe reads less of both attributes than with the MMD alone on every
-    # seed-0 variant tried; decay 0.8 tracked age better than 0.95.
-    c.method.fisher_weight = 10.0
-    c.method.fisher_decay = 0.8
-    # Erased targets (objectives/erasure.py): the modular debias step pulls
-    # the diff's representation of each input to the core's with the
-    # attribute's within-class offsets erased ("project": LEACE-style along
-    # their directions; "shift": each row moved by its cell's offset).
-    # Weight (0 = off), the running cell means' decay, the form. Measured
-    # on MiniLM (docs/efficacy.md, "Stop 14"): on top of the default, both
-    # forms removed nothing (the pull to the core keeps the attribute too).
-    c.method.target_weight = 0.0
-    c.method.target_decay = 0.9
-    c.method.target_mode = "project"
-    # The removal terms ramp linearly from 0 to full weight over the first
-    # steps (the running statistics are collected from step 0): in
-    # MoDDiffy-par the core learns the task meanwhile. 0 = full from step 0.
-    c.method.removal_warmup_steps = 0
-    # Modular debias steps: weight of the KL divergence from the core's own
-    # task prediction (no diff, no gradient) to the prediction with the diff,
-    # so removing an attribute does not remove the task with it. 0 = off.
-    c.method.task_distill = 0.0
-    # Task guard: each diff's removal weight backs off (down to 1 %) while the
-    # diff's running accuracy on the training batches trails the core's by
-    # more than the slack, and comes back while it does not (dual ascent on
-    # "the diff keeps the task"; docs/efficacy.md).
-    c.method.task_guard = False
-    c.method.task_guard_slack = 0.01
-    c.method.task_guard_rate = 1.0
-    c.method.task_guard_decay = 0.9
-    c.method.freeze_task_head = False  # in modular debias steps.
     c.method.core_run = ""  # moddiffy_post: workdir of a finetune run.
     # The task term of every method: "ce", or a known-bias loss ("poe",
     # "reweighting", "conf_reg") that reads the bias model of config.data.bias.
     c.method.task_loss = "ce"
     c.method.teacher_run = ""  # conf_reg: workdir of a standard finetune run.
-    c.method.adversary = ml_collections.ConfigDict(
-        {"members": 5, "hidden": 1, "dropout": 0.3}
-    )
 
     c.model = ml_collections.ConfigDict()
     c.model.init = "pretrained"  # or "random".
@@ -161,33 +91,6 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.model.task_hidden = 0
     c.model.task_dropout = 0.3
     c.model.adapter_reduction_factor = 2
-
-    c.diff = ml_collections.ConfigDict()
-    c.diff.include = (r".*",)
-    # The pooler is unused (the representation is the CLS token); the
-    # reference gave it a diff anyway, which only inflated the top-k budget.
-    c.diff.exclude = (r"pooler/.*",)
-    c.diff.structured = False
-    c.diff.straight_through = True
-    c.diff.left = -1.5
-    c.diff.right = 1.5
-    c.diff.temperature = 1.0
-    c.diff.init_log_alpha = 5.0
-    c.diff.l0_weight = 1.25e-7
-    c.diff.keep = 0.01  # fraction (float) or count (int) of kept entries.
-    c.diff.scope = "global"
-    # "final": one magnitude cut to the budget at the end of the L0 phase
-    # (the paper); "gradual": cubic magnitude pruning from 1 to diff.keep
-    # every prune_every L0 steps between prune_start and prune_end (fractions
-    # of the L0 phase), so the diff adapts to each cut.
-    c.diff.prune_schedule = "gradual"  # "final": the paper's one cut
-    c.diff.prune_score = "magnitude"  # or "taylor": |z * delta| * sqrt(Adam nu).
-    c.diff.prune_every = 10
-    # Early cuts: a dense diff under the removal terms breaks the task until
-    # it is thinned (docs/efficacy.md, "Stop 13"); cutting from 5% to 40%
-    # of the L0 phase leaves the rest of it, and fixmask, at the budget.
-    c.diff.prune_start = 0.05
-    c.diff.prune_end = 0.4
 
     c.optim = ml_collections.ConfigDict()
     for role, lr, wd in (
@@ -241,11 +144,16 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.model.vision = vision_models.default_vision_model_config()
     c.data = default_data_config()
     c.data.vision = vision_data.default_vision_config()
-    # A method's own sections (config.srnets, config.ffw, config.lora, ...)
-    # come from the method: a config carries only the sections its method reads.
-    from moddiffy_jax.methods import registry
+    # A config carries only what its method reads: the removal recipe's
+    # fields of config.method for methods that debias, and the method's own
+    # sections (config.diff, config.srnets, config.ffw, config.lora, ...).
+    from moddiffy_jax.methods import registry, removal
 
-    for name, section in registry.get_method(method).config_sections().items():
+    method_value = registry.get_method(method)
+    if method_value.debias != "none":
+        for name, value in removal.config_fields().items():
+            c.method[name] = value
+    for name, section in method_value.config_sections().items():
         c[name] = section
     return c
 
@@ -295,8 +203,10 @@ def set_tiny_model(c: ml_collections.ConfigDict) -> None:
     c.data.synthetic.num_train = 64
     c.data.synthetic.num_dev = 32
     c.data.synthetic.num_test = 32
-    c.diff.keep = 0.05
-    c.method.adversary.members = 2
+    if "diff" in c:
+        c.diff.keep = 0.05
+    if "adversary" in c.method:
+        c.method.adversary.members = 2
     c.eval.leakage = False
     if c.data.source in VISION_DATA.values():
         # A narrow convnet / MLP on a few hundred 14x14 digits.
@@ -396,9 +306,16 @@ def experiment_config(method: str, arg: str | None) -> ml_collections.ConfigDict
     opts = parse_arg(arg)
     c = base_config(method)
     set_data(c, opts["data"])
-    c.method.objective = opts["objective"]
-    if opts["objective"] != "mmd":
-        c.method.fisher_weight = 0.0  # it reads the whitened MMD's statistics.
+    if "objective" in c.method:
+        c.method.objective = opts["objective"]
+        if opts["objective"] != "mmd":
+            c.method.fisher_weight = 0.0  # it reads the whitened MMD's statistics.
+    elif opts["objective"] != _ARG_DEFAULTS["objective"]:
+        raise ValueError(
+            f"objective={opts['objective']} is a removal argument; method "
+            f"{method!r} removes no attribute (its debiasing twin, e.g. "
+            f"{method}_debias, does)."
+        )
     c.method.task_loss = opts["loss"]
     if opts["loss"] != "ce":
         set_bias_model(c, opts["data"])

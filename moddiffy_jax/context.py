@@ -11,11 +11,12 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from moddiffy_jax import checkpoints, parallel
-from moddiffy_jax.data import model_inputs
+from moddiffy_jax.eval.forward import Forward
 from moddiffy_jax.methods import common, removal
 from moddiffy_jax.methods import registry as method_registry
 from moddiffy_jax.subnets import hard_concrete
@@ -30,7 +31,7 @@ class Context:
     pretrained: Any
     attributes: tuple[str, ...]
     mesh: Any
-    diff_settings: common.DiffSettings
+    diff_settings: common.DiffSettings | None  # None: the config has no diff.
     debias: removal.DebiasSettings | None
 
 
@@ -87,22 +88,23 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
             config.model,
             num_task_classes=len(dataset.task_classes),
             attr_classes=attr_classes,
-            adversary=config.method.adversary,
+            adversary=config.method.get("adversary"),
             rng=jax.random.PRNGKey(config.seed),
             with_adapters=method.encoder == "adapter",
         )
-    hc = hard_concrete.HardConcrete(
-        left=config.diff.left,
-        right=config.diff.right,
-        temperature=config.diff.temperature,
-        init_log_alpha=config.diff.init_log_alpha,
-    )
-    check_prune_config(config.diff)
-    diff_settings = common.DiffSettings(
-        hc=hc,
-        straight_through=config.diff.straight_through,
-        l0_weight=config.diff.l0_weight,
-    )
+    diff_settings = None
+    if "diff" in config:  # only the diff family's configs carry it.
+        check_prune_config(config.diff)
+        diff_settings = common.DiffSettings(
+            hc=hard_concrete.HardConcrete(
+                left=config.diff.left,
+                right=config.diff.right,
+                temperature=config.diff.temperature,
+                init_log_alpha=config.diff.init_log_alpha,
+            ),
+            straight_through=config.diff.straight_through,
+            l0_weight=config.diff.l0_weight,
+        )
     debias = None
     if method.debias != "none":
         debias = removal.settings_from_config(
@@ -151,7 +153,6 @@ def _with_teacher_probs(config, dataset, model):
     once per run, rather than read from a file written by another script.
     """
     from moddiffy_jax.data import dataset as dataset_lib
-    from moddiffy_jax.data import eval_batches
 
     if not config.method.teacher_run:
         raise ValueError(
@@ -161,17 +162,9 @@ def _with_teacher_probs(config, dataset, model):
         )
     core, head, _ = checkpoints.load_core_run(config.method.teacher_run)
 
-    @jax.jit
-    def probs_fn(batch):
-        h = model.represent(core, batch, None, False)
-        return jax.nn.softmax(model.task_logits(head, h, None, False), axis=-1)
-
     train = dataset.splits["train"]
-    out = []
-    for batch in eval_batches(train, config.eval.batch_size):
-        p = np.asarray(probs_fn(model_inputs(batch)))
-        out.append(p[batch["weight"] > 0])
-    probs = np.concatenate(out).astype(np.float32)
+    logits = Forward(model, config.eval.batch_size).logits_split(core, head, train)
+    probs = np.asarray(jax.nn.softmax(jnp.asarray(logits), axis=-1), np.float32)
     splits = dict(dataset.splits)
     splits["train"] = dataset_lib.with_extras(train, teacher_probs=probs)
     return dataclasses.replace(dataset, splits=splits)

@@ -27,6 +27,7 @@ from absl import logging
 from moddiffy_jax import checkpoints
 from moddiffy_jax.data import model_inputs
 from moddiffy_jax.eval import metrics as metrics_lib
+from moddiffy_jax.eval.forward import Forward
 from moddiffy_jax.methods.ffw import (
     GateTrainState,
     PlateauState,
@@ -146,11 +147,7 @@ class _Surgeon:
         )
         self.ph_epoch = jax.jit(make_ph_epoch(self.ph_opt))
 
-        def features(params, inputs):
-            h = model.represent(params["encoder"], inputs, None, False)
-            return h, model.task_logits(params["task_head"], h, None, False)
-
-        self.features_fn = jax.jit(features)
+        self.forward = Forward(model, config.eval.batch_size)
         self.mi_fns = {
             a: jax.jit(
                 lambda y, p, w, n=n: batched_mutual_information(y, p, w, num_classes=n)
@@ -173,7 +170,9 @@ class _Surgeon:
     def feature_dim(self) -> int:
         split = self.ctx.data.splits[self.splits["gate_train"]]
         batch = split.take(np.zeros(1, np.int64))
-        h, _ = jax.eval_shape(self.features_fn, self.base, model_inputs(batch))
+        h = jax.eval_shape(
+            self.forward.encode, self.base["encoder"], model_inputs(batch)
+        )
         return int(h.shape[-1])
 
     def features(
@@ -187,7 +186,8 @@ class _Surgeon:
         hs, logits = [], []
         labels = {"task": []} | {a: [] for a in self.attributes}
         for batch in eval_batches(split, self.config.eval.batch_size):
-            h, lg = self.features_fn(params, model_inputs(batch))
+            h = self.forward.encode(params["encoder"], model_inputs(batch))
+            lg = self.forward.head(params["task_head"], h)
             hs.append(h)
             logits.append(lg)
             if split_name not in self._labels:

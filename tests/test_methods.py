@@ -49,3 +49,26 @@ def test_an_unmatched_parameter_is_named():
     tree = {"core": {"w": jnp.zeros(2)}, "mystery": {"w": jnp.zeros(2)}}
     with pytest.raises(ValueError, match="mystery/w"):
         common.role_labels(tree)
+
+
+def test_a_config_holds_only_what_its_method_reads():
+    for name, method in registry.METHODS.items():
+        config = experiment_config(name, None)
+        # The diff family (and only it) reads config.diff; only methods that
+        # remove an attribute carry the removal recipe and the adversaries.
+        assert ("diff" in config) == (name.startswith(("diffprun", "moddiffy")))
+        for field in ("objective", "mmd_weight", "fisher_weight", "adversary"):
+            assert (field in config.method) == (method.debias != "none"), (name, field)
+        assert ("lora" in config) == (name.startswith("lora"))
+        assert ("srnets" in config) == (name.startswith("srnets"))
+        assert ("ffw" in config) == (name == "ffw")
+
+
+def test_a_removal_argument_to_a_method_that_removes_nothing_is_named():
+    with pytest.raises(ValueError, match="objective=adversarial is a removal"):
+        experiment_config("finetune", "objective=adversarial")
+    with pytest.raises(AttributeError):
+        experiment_config("finetune", None).diff  # noqa: B018
+    ctx = train.build_context(tiny("finetune"))
+    assert ctx.diff_settings is None and ctx.debias is None
+    assert not ctx.model.adversaries

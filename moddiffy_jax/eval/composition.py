@@ -39,20 +39,18 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
 
 from moddiffy_jax import checkpoints
 from moddiffy_jax.data import bias as bias_lib
-from moddiffy_jax.data import model_inputs
 from moddiffy_jax.eval import inlp as inlp_lib
 from moddiffy_jax.eval import metrics as metrics_lib
 from moddiffy_jax.eval import ood as ood_lib
 from moddiffy_jax.eval import probes as probes_lib
 from moddiffy_jax.eval.evaluator import Evaluator, compositions
+from moddiffy_jax.eval.forward import Representer  # noqa: F401
 from moddiffy_jax.eval.report import format_report, gap_closed  # noqa: F401
 from moddiffy_jax.subnets import diffs as diffs_lib
 
@@ -128,34 +126,6 @@ def load_artifacts(workdir: str | Path) -> RunArtifacts:
         # fingerprints.
         diffs[path.stem] = diffs_lib.load_sparse_diff(path, base=core)
     return RunArtifacts(core=core, head=head, diffs=diffs)
-
-
-class Representer:
-    """CLS representations and task logits of any encoder params (jitted)."""
-
-    def __init__(self, ctx: Any, batch_size: int):
-        self.ctx = ctx
-        self.batch_size = batch_size
-        model = ctx.model
-        self._represent = jax.jit(lambda p, b: model.represent(p, b, None, False))
-        self._logits = jax.jit(lambda hp, h: model.task_logits(hp, h, None, False))
-
-    def represent(self, params: Any, split: str) -> np.ndarray:
-        """CLS representations [N, H] of the run's split named ``split``."""
-        return self.represent_split(params, self.ctx.data.splits[split])
-
-    def represent_split(self, params: Any, split: Any) -> np.ndarray:
-        """CLS representations [N, H] of any TokenizedSplit (e.g. an OOD set)."""
-        from moddiffy_jax.data import eval_batches
-
-        out = []
-        for batch in eval_batches(split, self.batch_size):
-            h = np.asarray(self._represent(params, model_inputs(batch)))
-            out.append(h[batch["weight"] > 0])
-        return np.concatenate(out)
-
-    def predict(self, head: Any, h: np.ndarray) -> np.ndarray:
-        return np.asarray(jnp.argmax(self._logits(head, jnp.asarray(h)), -1))
 
 
 def _aligned_mask(split: Any) -> np.ndarray | None:

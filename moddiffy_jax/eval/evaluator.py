@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moddiffy_jax.data import model_inputs
+from moddiffy_jax.eval.forward import Forward
 from moddiffy_jax.subnets import diffs as diffs_lib
 
 if TYPE_CHECKING:
@@ -22,13 +22,7 @@ class Evaluator:
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
-        model = ctx.model
-
-        def logits_fn(enc_params, head_params, batch):
-            h = model.represent(enc_params, batch, None, False)
-            return model.task_logits(head_params, h, None, False)
-
-        self._logits = jax.jit(logits_fn)
+        self.forward = Forward(ctx.model, ctx.config.eval.batch_size)
         self._apply_packed = jax.jit(diffs_lib.apply_packed)
 
     def compose(
@@ -46,26 +40,13 @@ class Evaluator:
 
     def predict(self, enc_params: Any, head_params: Any, split: Any) -> np.ndarray:
         """Task predictions (int [N], row order) on a split object."""
-        from moddiffy_jax.data import eval_batches
-
-        out = []
-        for batch in eval_batches(split, self.ctx.config.eval.batch_size):
-            logits = self._logits(enc_params, head_params, model_inputs(batch))
-            out.append(np.asarray(jnp.argmax(logits, -1))[batch["weight"] > 0])
-        return np.concatenate(out)
+        logits = self.forward.logits_split(enc_params, head_params, split)
+        return np.argmax(logits, -1)
 
     def task_accuracy(self, enc_params: Any, head_params: Any, split: str) -> float:
-        from moddiffy_jax.data import eval_batches
-
         data = self.ctx.data.splits[split]
-        correct, total = 0.0, 0.0
-        for batch in eval_batches(data, self.ctx.config.eval.batch_size):
-            w = batch["weight"]
-            logits = self._logits(enc_params, head_params, model_inputs(batch))
-            pred = np.asarray(jnp.argmax(logits, -1))
-            correct += float(np.sum((pred == batch["task"]) * w))
-            total += float(np.sum(w))
-        return correct / max(total, 1.0)
+        pred = self.predict(enc_params, head_params, data)
+        return float(np.mean(pred == np.asarray(data.task)))
 
 
 def subsets(names: Sequence[str], max_size: int | None = None) -> list[tuple]:

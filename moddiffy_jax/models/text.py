@@ -102,7 +102,7 @@ def build_model(
     *,
     num_task_classes: int,
     attr_classes: Mapping[str, int],
-    adversary: ml_collections.ConfigDict,
+    adversary: ml_collections.ConfigDict | None,
     rng: jax.Array,
     with_adapters: bool = False,
 ) -> tuple[TextModel, Any]:
@@ -115,7 +115,8 @@ def build_model(
         ``dtype``, ``task_hidden``, ``task_dropout``, ``adapter_reduction_factor``.
       num_task_classes: task classes C.
       attr_classes: classes per protected attribute.
-      adversary: ``config.method.adversary`` (members, hidden, dropout).
+      adversary: ``config.method.adversary`` (members, hidden, dropout), or
+        None for a method that trains no adversaries (no removal terms).
       rng: PRNG key for random init and adapters.
       with_adapters: add bottleneck adapters (adapter methods only).
 
@@ -160,7 +161,7 @@ def build_model(
                 num_hidden=adversary.hidden,
                 dropout=adversary.dropout,
             )
-            for attr, n in attr_classes.items()
+            for attr, n in (attr_classes.items() if adversary is not None else ())
         },
     )
     return model, params
