@@ -83,8 +83,21 @@ def _bert_base_dir() -> str:
     return d
 
 
-def run_one(method: str, model: str, batch: int, length: int, steps: int, dtype: str):
-    """Measures one configuration in this process; returns a dict."""
+def run_one(
+    method: str,
+    model: str,
+    batch: int,
+    length: int,
+    steps: int,
+    dtype: str,
+    objective: str = "",
+):
+    """Measures one configuration in this process; returns a dict.
+
+    ``objective`` (methods that remove an attribute only): "adversarial" for
+    the paper's (and the reference code's) removal step, "mmd" or "" for the
+    library's default recipe.
+    """
     import resource
 
     import jax
@@ -92,9 +105,12 @@ def run_one(method: str, model: str, batch: int, length: int, steps: int, dtype:
 
     from moddiffy_jax import train
     from moddiffy_jax.config_lib import experiment_config
-    from moddiffy_jax.methods import common
+    from moddiffy_jax.methods import common, registry
 
-    config = experiment_config(method, "data=synthetic")
+    arg = "data=synthetic"
+    if objective and registry.get_method(method).debias != "none":
+        arg += f",objective={objective}"
+    config = experiment_config(method, arg)
     with config.unlocked():
         config.train.batch_size = batch
         config.data.max_length = length
@@ -148,6 +164,7 @@ def run_one(method: str, model: str, batch: int, length: int, steps: int, dtype:
         "batch": batch,
         "length": length,
         "dtype": dtype,
+        "objective": str(config.method.get("objective", "")),
         "substeps": [s.name for s in substeps],
         "compile_s": round(compile_s, 2),
         "step_s_median": round(median, 4),
@@ -162,6 +179,44 @@ def run_one(method: str, model: str, batch: int, length: int, steps: int, dtype:
     }
 
 
+def measure(
+    method: str,
+    model: str,
+    batch: int,
+    length: int,
+    steps: int,
+    dtype: str = "float32",
+    objective: str = "",
+) -> dict | None:
+    """:func:`run_one` in a fresh subprocess (its own compile cache and peak
+    RSS); None, with the subprocess's error on stderr, if it failed."""
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--one",
+        "--methods",
+        method,
+        "--models",
+        model,
+        "--batch",
+        str(batch),
+        "--length",
+        str(length),
+        "--steps",
+        str(steps),
+        "--dtype",
+        dtype,
+        "--objective",
+        objective,
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        print(f"{method}/{model} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(line[7:])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--methods", default="")
@@ -170,12 +225,23 @@ def main():
     parser.add_argument("--length", type=int, default=32)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--objective",
+        default="",
+        help="removal objective of debiasing methods (adversarial: the paper's)",
+    )
     parser.add_argument("--out", default="benchmarks/results.jsonl")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         result = run_one(
-            args.methods, args.models, args.batch, args.length, args.steps, args.dtype
+            args.methods,
+            args.models,
+            args.batch,
+            args.length,
+            args.steps,
+            args.dtype,
+            args.objective,
         )
         print("RESULT " + json.dumps(result))
         return
@@ -185,33 +251,18 @@ def main():
     machine = f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     for model in args.models.split(","):
         for method in methods.split(","):
-            cmd = [
-                sys.executable,
-                __file__,
-                "--one",
-                "--methods",
+            result = measure(
                 method,
-                "--models",
                 model,
-                "--batch",
-                str(args.batch),
-                "--length",
-                str(args.length),
-                "--steps",
-                str(args.steps),
-                "--dtype",
+                args.batch,
+                args.length,
+                args.steps,
                 args.dtype,
-            ]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            line = next(
-                (x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None
+                args.objective,
             )
-            if line is None:
-                print(
-                    f"{method}/{model} failed:\n{out.stderr[-2000:]}", file=sys.stderr
-                )
+            if result is None:
                 continue
-            row = json.loads(line[7:]) | {"date": stamp, "machine": machine}
+            row = result | {"date": stamp, "machine": machine}
             rows.append(row)
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
