@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from moddiffy_jax.subnets import hard_concrete as hcm
+from moddiffy_jax.subnets import noise
 from moddiffy_jax.subnets.hard_concrete import HardConcrete
 
 DEFAULT = HardConcrete()
@@ -113,3 +114,25 @@ def test_expected_l0_empty_and_jit():
     assert float(hcm.expected_l0({})) == 0.0
     val = jax.jit(lambda t: hcm.expected_l0(t, hc=DEFAULT))(_tree())
     np.testing.assert_allclose(val, 0.5 * (12 + 3 + 10), rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (384, 1536)])
+def test_fused_noise_is_jax_random_uniform_bit_for_bit(shape):
+    for seed in (0, 1, 2**31 + 5):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed % 2**31), seed)
+        want = np.asarray(jax.random.uniform(key, shape, jnp.float32))
+        got = np.asarray(jax.jit(noise.uniform, static_argnums=1)(key, shape))
+        np.testing.assert_array_equal(got, want)
+        typed = jax.random.key(seed % 2**31)
+        np.testing.assert_array_equal(
+            np.asarray(noise.uniform(typed, shape)),
+            np.asarray(jax.random.uniform(typed, shape)),
+        )
+
+
+def test_fused_noise_falls_back_for_other_generators():
+    key = jax.random.key(3, impl="rbg")
+    np.testing.assert_array_equal(
+        np.asarray(noise.uniform(key, (4, 5))),
+        np.asarray(jax.random.uniform(key, (4, 5))),
+    )

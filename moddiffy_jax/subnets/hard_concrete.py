@@ -36,6 +36,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from moddiffy_jax.subnets import noise
+
 PyTree = Any
 
 
@@ -102,7 +104,8 @@ def sample_gate(
     """
     log_alpha = jnp.asarray(log_alpha)
     dtype = _float_dtype(log_alpha)
-    u = jax.random.uniform(rng, log_alpha.shape, dtype=jnp.float32)
+    # jax.random.uniform's numbers, computed where XLA can fuse them (noise.py).
+    u = noise.uniform(rng, log_alpha.shape, jnp.float32)
     u = jnp.clip(u, hc.eps, 1.0 - hc.eps)
     logits = (jnp.log(u) - jnp.log1p(-u) + log_alpha.astype(jnp.float32)) / (
         hc.temperature

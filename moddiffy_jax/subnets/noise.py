@@ -1,0 +1,88 @@
+"""Uniform noise that XLA can fuse: ``jax.random.uniform``'s bits, unrolled.
+
+The hard-concrete gates draw one uniform number per diff entry per step (22M
+per attribute on MiniLM). On CPU, JAX lowers its Threefry-2x32 hash as a
+rolled loop of five iterations, each writing two full uint32 arrays, so the
+noise of one 30522 x 384 embedding matrix alone moves hundreds of megabytes
+through memory before the gate formula reads it. :func:`uniform` computes the
+same hash as plain unrolled uint32 arithmetic on the element's counter: XLA
+then fuses it into the consumer (the gate, the gated add) and nothing is
+materialised. The result is bit for bit ``jax.random.uniform(key, shape,
+jnp.float32)`` (``tests/test_hard_concrete.py`` checks it); where that cannot
+be guaranteed (a typed key of another PRNG implementation, the
+non-partitionable Threefry mode, 2**32 entries or more, another dtype) it
+calls ``jax.random.uniform`` itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_PARITY = np.uint32(0x1BD11BDA)
+_ONE_BITS = np.uint32(0x3F800000)  # float32 1.0
+
+
+def _rotl(x: jax.Array, r: int) -> jax.Array:
+    return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
+
+
+def threefry2x32(
+    k1: jax.Array, k2: jax.Array, x1: jax.Array, x2: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Threefry-2x32 (20 rounds) of counter words ``(x1, x2)`` under key
+    ``(k1, k2)``, all uint32, as straight-line arithmetic."""
+    ks = (k1, k2, k1 ^ k2 ^ _PARITY)
+    x1 = x1 + ks[0]
+    x2 = x2 + ks[1]
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x1 = x1 + x2
+            x2 = x1 ^ _rotl(x2, r)
+        x1 = x1 + ks[(i + 1) % 3]
+        x2 = x2 + ks[(i + 2) % 3] + np.uint32(i + 1)
+    return x1, x2
+
+
+def _key_words(key: jax.Array) -> tuple[jax.Array, jax.Array] | None:
+    """The two uint32 words of a Threefry key, or None for other keys."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if "threefry" not in str(jax.random.key_impl(key)):
+            return None
+        key = jax.random.key_data(key)
+    elif jax.config.jax_default_prng_impl != "threefry2x32":
+        return None
+    if key.dtype != jnp.uint32 or key.shape != (2,):
+        return None
+    return key[0], key[1]
+
+
+def uniform(key: jax.Array, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
+    """``jax.random.uniform(key, shape, dtype)`` on [0, 1), fusible by XLA."""
+    shape = tuple(int(d) for d in shape)
+    words = _key_words(key)
+    size = math.prod(shape)
+    if (
+        words is None
+        or jnp.dtype(dtype) != jnp.float32
+        or not jax.config.jax_threefry_partitionable
+        or size >= 2**32
+        or not shape
+    ):
+        return jax.random.uniform(key, shape, dtype)
+    # The row-major index of each element is its counter: high word 0 below
+    # 2**32 entries, low word the index (jax's iota_2x32_shape).
+    counter = jnp.zeros(shape, jnp.uint32)
+    for axis, stride in enumerate(np.cumprod((1,) + shape[:0:-1])[::-1]):
+        counter = counter + jax.lax.broadcasted_iota(
+            jnp.uint32, shape, axis
+        ) * np.uint32(stride)
+    b1, b2 = threefry2x32(words[0], words[1], jnp.zeros(shape, jnp.uint32), counter)
+    bits = (b1 ^ b2) >> np.uint32(9) | _ONE_BITS
+    floats = jax.lax.bitcast_convert_type(bits, jnp.float32) - np.float32(1.0)
+    return jnp.maximum(np.float32(0.0), floats)
