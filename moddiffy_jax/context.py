@@ -104,6 +104,7 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
             ),
             straight_through=config.diff.straight_through,
             l0_weight=config.diff.l0_weight,
+            gathered=tuple(getattr(model, "gathered_rows", ())),
         )
     debias = None
     if method.debias != "none":

@@ -214,6 +214,9 @@ class DiffSettings:
     hc: hard_concrete.HardConcrete
     straight_through: bool
     l0_weight: float
+    # Parameter paths the model reads only by rows (its word embeddings): in
+    # training a diff builds just the rows a batch reads (dense_diff.GatedRows).
+    gathered: tuple[str, ...] = ()
 
 
 def add_sparse(
@@ -247,6 +250,7 @@ def apply_diff_part(
             hc=settings.hc,
             train=train,
             straight_through=settings.straight_through,
+            gathered=settings.gathered,
         )
     return add_sparse(base, indices, part)
 

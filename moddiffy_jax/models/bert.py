@@ -23,6 +23,7 @@ from moddiffy_jax.models.bert_files import (
     resolve_model_dir,
 )
 from moddiffy_jax.models.bert_model import (
+    GATHERED_ROWS,
     BertAttention,
     BertConfig,
     BertEmbeddings,
@@ -40,6 +41,7 @@ from moddiffy_jax.models.bert_model import (
 )
 
 __all__ = [
+    "GATHERED_ROWS",
     "BertAttention",
     "BertConfig",
     "BertEmbeddings",

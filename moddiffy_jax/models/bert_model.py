@@ -230,6 +230,38 @@ def _layer_norm(config: BertConfig, dtype, param_dtype):
     )
 
 
+#: Parameters the encoder reads only by rows (``jnp.take``): a diff may hand
+#: them over as a table object with ``take_rows(ids)`` (subnets.dense_diff's
+#: GatedRows) instead of an array, so only the rows a batch reads are built.
+GATHERED_ROWS = ("embeddings/word_embeddings/embedding",)
+
+
+class _RowEmbed(nn.Module):
+    """``nn.Embed`` (same parameter name and values) that also accepts a
+    table object with ``take_rows(ids)`` in place of the array."""
+
+    num_embeddings: int
+    features: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    embedding_init: Any = nn.initializers.normal(0.02)
+
+    @nn.compact
+    def __call__(self, ids):
+        if not self.has_variable("params", "embedding"):
+            table = self.param(
+                "embedding",
+                self.embedding_init,
+                (self.num_embeddings, self.features),
+                self.param_dtype,
+            )
+        else:  # read as given: no shape check against an initializer
+            table = self.get_variable("params", "embedding")
+        if hasattr(table, "take_rows"):
+            return table.take_rows(ids).astype(self.dtype)
+        return jnp.take(jnp.asarray(table, self.dtype), ids, axis=0)
+
+
 class BertEmbeddings(nn.Module):
     """Word + position + token-type embeddings, LayerNorm, dropout."""
 
@@ -254,7 +286,14 @@ class BertEmbeddings(nn.Module):
 
         seq_len = input_ids.shape[-1]
         positions = jnp.arange(seq_len, dtype=jnp.int32)[None, :]
-        x = embed(cfg.vocab_size, "word_embeddings")(input_ids)
+        x = _RowEmbed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            embedding_init=init,
+            name="word_embeddings",
+        )(input_ids)
         x = x + embed(cfg.max_position_embeddings, "position_embeddings")(positions)
         x = x + embed(cfg.type_vocab_size, "token_type_embeddings")(token_type_ids)
         x = _layer_norm(cfg, self.dtype, self.param_dtype)(x)

@@ -39,6 +39,11 @@ class TextModel:
         """``H``, the width of the representations."""
         return self.bert_config.hidden_size
 
+    @property
+    def gathered_rows(self) -> tuple[str, ...]:
+        """Encoder parameters read only by rows (bert_model.GATHERED_ROWS)."""
+        return bert_lib.GATHERED_ROWS
+
     def represent(
         self, params: Any, batch: Mapping[str, Any], rng: jax.Array | None, train: bool
     ) -> jax.Array:

@@ -16,14 +16,19 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from moddiffy_jax.subnets import noise
 from moddiffy_jax.subnets.hard_concrete import (
     HardConcrete,
     deterministic_gates,
     expected_l0,
+    gate_from_uniform,
+    sample_gate,
     sample_gates,
 )
 from moddiffy_jax.subnets.selection import (
+    flatten,
     map_subtree,
+    path_str,
     select,
 )
 
@@ -148,6 +153,7 @@ def apply_dense_diff(
     hc: HardConcrete = HardConcrete(),
     train: bool,
     straight_through: bool = True,
+    gathered: Sequence[str] = (),
 ) -> PyTree:
     """Effective params ``base + z * delta`` on the selected leaves.
 
@@ -173,20 +179,99 @@ def apply_dense_diff(
       hc: hard-concrete hyperparameters.
       train: sample the gates (True) or use deterministic gates (False).
       straight_through: the gradient convention above.
+      gathered: paths (``selection.flatten`` form) of 2-D leaves that the
+        model reads only by rows (its word embeddings, ``model.gathered_rows``):
+        in training they are returned as :class:`GatedRows`, computed for the
+        rows a batch reads. Unstructured diffs only.
 
     Returns:
-      A pytree with the structure, shapes and dtypes of ``base``.
+      A pytree with the structure, shapes and dtypes of ``base`` (with
+      :class:`GatedRows` at the ``gathered`` paths in training).
     """
+    if train and gathered and not state.structured:
+        return _apply_with_gathered_rows(
+            base, state, rng, hc, straight_through, tuple(gathered)
+        )
     z = diff_gates(state, rng, hc=hc, train=train)
+    return map_subtree(
+        lambda w0, d, g: _combine(w0, d, g, straight_through), base, state.delta, z
+    )
 
-    def combine(w0, delta, gate):
-        gated = gate.astype(delta.dtype) * delta
-        out = w0 + gated
-        if straight_through:
-            out = out + (delta - jax.lax.stop_gradient(delta))
-        return out.astype(jnp.result_type(w0))
 
-    return map_subtree(combine, base, state.delta, z)
+def _combine(w0, delta, gate, straight_through: bool):
+    """``w0 + gate * delta`` (plus the straight-through term), in ``w0``'s dtype."""
+    out = w0 + gate.astype(delta.dtype) * delta
+    if straight_through:
+        out = out + (delta - jax.lax.stop_gradient(delta))
+    return out.astype(jnp.result_type(w0))
+
+
+@flax.struct.dataclass
+class GatedRows:
+    """A gated-diff table that is only ever read by rows (word embeddings).
+
+    ``take_rows(ids)`` is ``jnp.take(base + z * delta, ids, axis=0)`` with the
+    gates ``z`` of the rows read and nothing else: the noise of those rows is
+    the full draw's (``noise.uniform_rows``), so the values are the dense
+    table's bit for bit, while the forward and backward passes touch
+    ``len(ids)`` rows instead of the whole vocabulary. The gradients equal
+    the dense table's up to the order in which repeated ids are summed.
+    """
+
+    base: jax.Array
+    delta: jax.Array
+    log_alpha: jax.Array
+    key: jax.Array
+    hc: HardConcrete = flax.struct.field(pytree_node=False)
+    straight_through: bool = flax.struct.field(pytree_node=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.base.shape)
+
+    @property
+    def dtype(self):
+        return self.base.dtype
+
+    def take_rows(self, ids: jax.Array) -> jax.Array:
+        rows = jnp.asarray(ids).reshape(-1)
+        u = noise.uniform_rows(self.key, self.base.shape, rows)
+        gate = gate_from_uniform(jnp.take(self.log_alpha, rows, axis=0), u, hc=self.hc)
+        out = _combine(
+            jnp.take(self.base, rows, axis=0),
+            jnp.take(self.delta, rows, axis=0),
+            gate,
+            self.straight_through,
+        )
+        return out.reshape(tuple(jnp.shape(ids)) + self.base.shape[1:])
+
+
+def _apply_with_gathered_rows(base, state, rng, hc, straight_through, gathered):
+    """:func:`apply_dense_diff` in training with the leaves at paths
+    ``gathered`` left as :class:`GatedRows`; every leaf's key is the one
+    :func:`~moddiffy_jax.subnets.hard_concrete.sample_gates` gives it."""
+    if rng is None:
+        raise ValueError("apply_dense_diff(train=True) needs an rng key.")
+    leaves, treedef = jax.tree.flatten(state.log_alpha)
+    keys = jax.tree.unflatten(treedef, list(jax.random.split(rng, len(leaves))))
+    flat_base = flatten(base)
+    flat_la, flat_delta, flat_keys = (
+        flatten(state.log_alpha),
+        flatten(state.delta),
+        flatten(keys),
+    )
+    new = {}
+    for path, la in flat_la.items():
+        w0, delta, key = flat_base[path], flat_delta[path], flat_keys[path]
+        if path in gathered and jnp.ndim(w0) == 2:
+            new[path] = GatedRows(w0, delta, la, key, hc, straight_through)
+        else:
+            gate = sample_gate(la, key, hc=hc)
+            new[path] = _combine(w0, delta, gate, straight_through)
+    # Not selection.merge: it would flatten the GatedRows values as subtrees.
+    return jax.tree_util.tree_map_with_path(
+        lambda keypath, leaf: new.get(path_str(keypath), leaf), base
+    )
 
 
 def l0_penalty(state: DiffState, *, hc: HardConcrete = HardConcrete()) -> jax.Array:

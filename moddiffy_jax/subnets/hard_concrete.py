@@ -103,9 +103,18 @@ def sample_gate(
       ``z``, same shape and dtype as ``log_alpha``, values in ``[0, 1]``.
     """
     log_alpha = jnp.asarray(log_alpha)
-    dtype = _float_dtype(log_alpha)
     # jax.random.uniform's numbers, computed where XLA can fuse them (noise.py).
-    u = noise.uniform(rng, log_alpha.shape, jnp.float32)
+    return gate_from_uniform(
+        log_alpha, noise.uniform(rng, log_alpha.shape, jnp.float32), hc=hc
+    )
+
+
+def gate_from_uniform(
+    log_alpha: jax.Array, u: jax.Array, *, hc: HardConcrete = HardConcrete()
+) -> jax.Array:
+    """The hard-concrete sample of gate locations ``log_alpha`` for uniform
+    noise ``u`` (same shape): the formula of :func:`sample_gate`."""
+    dtype = _float_dtype(log_alpha)
     u = jnp.clip(u, hc.eps, 1.0 - hc.eps)
     logits = (jnp.log(u) - jnp.log1p(-u) + log_alpha.astype(jnp.float32)) / (
         hc.temperature

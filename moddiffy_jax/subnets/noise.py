@@ -82,7 +82,42 @@ def uniform(key: jax.Array, shape: Sequence[int], dtype=jnp.float32) -> jax.Arra
         counter = counter + jax.lax.broadcasted_iota(
             jnp.uint32, shape, axis
         ) * np.uint32(stride)
-    b1, b2 = threefry2x32(words[0], words[1], jnp.zeros(shape, jnp.uint32), counter)
+    return _to_unit_float(words, counter)
+
+
+def uniform_rows(
+    key: jax.Array, shape: Sequence[int], rows: jax.Array, dtype=jnp.float32
+) -> jax.Array:
+    """Rows ``rows`` (int [R]) of ``uniform(key, shape)``: [R, *shape[1:]].
+
+    Each element's counter is its row-major index in the full array, so the
+    numbers are those the full draw puts there, computed for the rows alone.
+    """
+    shape = tuple(int(d) for d in shape)
+    words = _key_words(key)
+    if (
+        words is None
+        or jnp.dtype(dtype) != jnp.float32
+        or not jax.config.jax_threefry_partitionable
+        or math.prod(shape) >= 2**32
+        or len(shape) < 1
+    ):
+        return jnp.take(jax.random.uniform(key, shape, dtype), rows, axis=0)
+    rows = jnp.asarray(rows).astype(jnp.uint32)
+    out_shape = (rows.shape[0],) + shape[1:]
+    strides = np.cumprod((1,) + shape[:0:-1])[::-1]
+    counter = jax.lax.broadcast_in_dim(rows, out_shape, (0,)) * np.uint32(strides[0])
+    for axis in range(1, len(shape)):
+        counter = counter + jax.lax.broadcasted_iota(
+            jnp.uint32, out_shape, axis
+        ) * np.uint32(strides[axis])
+    return _to_unit_float(words, counter)
+
+
+def _to_unit_float(words, counter: jax.Array) -> jax.Array:
+    """``jax.random.uniform``'s float32 in [0, 1) from the hash of counters."""
+    zeros = jnp.zeros(counter.shape, jnp.uint32)
+    b1, b2 = threefry2x32(words[0], words[1], zeros, counter)
     bits = (b1 ^ b2) >> np.uint32(9) | _ONE_BITS
     floats = jax.lax.bitcast_convert_type(bits, jnp.float32) - np.float32(1.0)
     return jnp.maximum(np.float32(0.0), floats)
