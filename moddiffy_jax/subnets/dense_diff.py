@@ -214,8 +214,10 @@ class GatedRows:
     gates ``z`` of the rows read and nothing else: the noise of those rows is
     the full draw's (``noise.uniform_rows``), so the values are the dense
     table's bit for bit, while the forward and backward passes touch
-    ``len(ids)`` rows instead of the whole vocabulary. The gradients equal
-    the dense table's up to the order in which repeated ids are summed.
+    ``len(ids)`` rows instead of the whole vocabulary. Each distinct row is
+    built once and indexed, so a repeated id's gradients are summed before
+    the gate's backward, as for the dense table: gradients are bit for bit
+    the dense table's too.
     """
 
     base: jax.Array
@@ -234,15 +236,23 @@ class GatedRows:
         return self.base.dtype
 
     def take_rows(self, ids: jax.Array) -> jax.Array:
-        rows = jnp.asarray(ids).reshape(-1)
+        flat = jnp.asarray(ids).reshape(-1)
+        # Each distinct row once: a repeated id's gradients are summed onto
+        # its row (in occurrence order, as the dense table's scatter sums
+        # them) before the gate's backward, so the gradients are the dense
+        # table's bit for bit.
+        rows, inverse = jnp.unique(
+            flat, size=flat.shape[0], fill_value=flat[0], return_inverse=True
+        )
         u = noise.uniform_rows(self.key, self.base.shape, rows)
         gate = gate_from_uniform(jnp.take(self.log_alpha, rows, axis=0), u, hc=self.hc)
-        out = _combine(
+        table = _combine(
             jnp.take(self.base, rows, axis=0),
             jnp.take(self.delta, rows, axis=0),
             gate,
             self.straight_through,
         )
+        out = jnp.take(table, inverse.reshape(-1), axis=0)
         return out.reshape(tuple(jnp.shape(ids)) + self.base.shape[1:])
 
 
