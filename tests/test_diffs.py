@@ -691,5 +691,7 @@ def test_gathered_rows_equal_the_dense_table(straight_through):
     (_, (rows_l, rest_l)), g_l = lazy(state)
     assert_trees_bitwise_equal(rows_l, rows_d)
     assert_trees_bitwise_equal(rest_l, rest_d)
-    assert_trees_bitwise_equal(g_l, g_d)
+    # Equal values (an unread row's gradient may be -0.0 on the dense path).
+    for a, b in zip(jax.tree.leaves(g_l), jax.tree.leaves(g_d), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert float(jnp.max(jnp.abs(g_l.delta["encoder"]["emb"]))) > 0

@@ -216,8 +216,8 @@ class GatedRows:
     table's bit for bit, while the forward and backward passes touch
     ``len(ids)`` rows instead of the whole vocabulary. Each distinct row is
     built once and indexed, so a repeated id's gradients are summed before
-    the gate's backward, as for the dense table: gradients are bit for bit
-    the dense table's too.
+    the gate's backward, as for the dense table: the gradients equal the
+    dense table's exactly (an unread row's may be +0.0 where it was -0.0).
     """
 
     base: jax.Array
