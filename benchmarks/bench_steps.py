@@ -179,6 +179,18 @@ def run_one(
     }
 
 
+def stamp_and_machine() -> tuple[str, str]:
+    """The UTC time (seconds) and a one-line description of this machine."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    cpu = platform.processor() or platform.machine()
+    return stamp, f"{platform.node()} {cpu}, {os.cpu_count()} cores"
+
+
+def append_jsonl(path: str, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def measure(
     method: str,
     model: str,
@@ -247,8 +259,7 @@ def main():
         return
     methods = args.methods or ",".join(default_methods())
     rows = []
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    machine = f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    stamp, machine = stamp_and_machine()
     for model in args.models.split(","):
         for method in methods.split(","):
             result = measure(
@@ -264,8 +275,7 @@ def main():
                 continue
             row = result | {"date": stamp, "machine": machine}
             rows.append(row)
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(args.out, row)
             print(
                 f"{method:16s} {model:7s} compile {row['compile_s']:7.1f}s  "
                 f"step {row['step_s_median']:.3f}s  {row['examples_per_s']:7.1f} ex/s  "

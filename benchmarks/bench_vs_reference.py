@@ -31,10 +31,7 @@ appends a JSON line per round to ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -113,6 +110,10 @@ def _fmt(x, spec=".3f"):
     return "n/a" if x is None else format(x, spec)
 
 
+def _times(x):
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
 def _ratio(a, b):
     return None if a is None or b is None or b == 0 else a / b
 
@@ -129,8 +130,8 @@ def table(rows) -> str:
         floor = None if ft is None else 3 * ft
         lines.append(
             f"| {label} | {_fmt(ref)} | {_fmt(adv)} | {_fmt(dflt)} | {_fmt(ft)} "
-            f"| {_fmt(floor)} | {_fmt(_ratio(ref, adv), '.2f')}x "
-            f"| {_fmt(_ratio(ref, dflt), '.2f')}x | {_fmt(_ratio(adv, floor), '.2f')} "
+            f"| {_fmt(floor)} | {_times(_ratio(ref, adv))} "
+            f"| {_times(_ratio(ref, dflt))} | {_fmt(_ratio(adv, floor), '.2f')} "
             f"| {_fmt(_ratio(dflt, floor), '.2f')} |"
         )
 
@@ -177,18 +178,13 @@ def main():
     ):
         if not os.path.exists(path):
             parser.error(f"{what} {path} does not exist")
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    machine = (
-        f"{platform.node()} {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores"
-    )
+    stamp, machine = bench_steps.stamp_and_machine()
     rows = []
     for i in range(args.rounds):
         row = one_round(args, i) | {"date": stamp, "machine": machine}
         row |= {"batch": args.batch, "length": args.length, "dtype": args.dtype}
         rows.append(row)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        bench_steps.append_jsonl(args.out, row)
     print(
         f"\n{machine}, {stamp}, MiniLM, batch {args.batch}x{args.length}, "
         f"{args.dtype}\n"
