@@ -5,7 +5,8 @@
 # jax.distributed.initialize() discovers the other hosts; each host reads its
 # own slice of every global batch and writes checkpoints to the shared workdir
 # (a filesystem every worker mounts, e.g. a Filestore or gcsfuse mount).
-# Install on every worker: pip install -U "jax[tpu]" && pip install -e .
+# Install on every worker, with the jax the package pins (setup.py):
+#   pip install -e . && pip install "jax[tpu]>=0.10,<0.11"
 set -euo pipefail
 config=${1:?config file}; workdir=${2:?workdir}; shift 2
 exec python -m moddiffy_jax.main --distributed --config="$config" --workdir="$workdir" \

@@ -33,3 +33,9 @@ def publish_mode(tmp: str | os.PathLike) -> None:
     recreate the file owner-only.
     """
     os.chmod(tmp, 0o666 & ~_umask())
+
+
+def publish_dir_mode(directory: str | os.PathLike) -> None:
+    """Gives a directory made by ``tempfile.mkdtemp`` (owner-only) the usual
+    ``0o777 & ~umask`` mode."""
+    os.chmod(directory, 0o777 & ~_umask())

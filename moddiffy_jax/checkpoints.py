@@ -156,6 +156,8 @@ def load_core_run(run_dir: str) -> tuple[Any, Any, str]:
             "moddiffy_post needs config.method.core_run: the workdir of a finished "
             "finetune run of this library (it holds export/core.safetensors)."
         )
+    from moddiffy_jax.manifest import verify_export
+
     export = Path(run_dir) / "export"
     for name in ("core.safetensors", "task_head.safetensors"):
         if not (export / name).is_file():
@@ -163,6 +165,7 @@ def load_core_run(run_dir: str) -> tuple[Any, Any, str]:
                 f"{export / name} is missing: config.method.core_run must be a "
                 "finished finetune run (train it with configs/finetune.py first)."
             )
+    verify_export(export)
     core, meta = load_params(export / "core.safetensors")
     head, _ = load_params(export / "task_head.safetensors")
     return core, head, meta.get("fingerprint", "")

@@ -8,6 +8,7 @@ every training loop and evaluation needs.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -67,6 +68,7 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
         tokenizer = text_lib.load_tokenizer_for(config.model)
         dataset = data_lib.build_dataset(config.data, tokenizer)
     attributes = tuple(config.method.attributes) or tuple(dataset.attr_classes)
+    check_attribute_names(attributes)
     unknown = [a for a in attributes if a not in dataset.attr_classes]
     if unknown:
         raise ValueError(
@@ -74,6 +76,8 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
             f"not have; its attributes are {sorted(dataset.attr_classes)}."
         )
     attr_classes = {a: len(dataset.attr_classes[a]) for a in attributes}
+    if not vision:
+        _check_vocabulary(dataset, config)
     if vision:
         from moddiffy_jax.models import vision as vision_models
 
@@ -131,6 +135,64 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
         diff_settings=diff_settings,
         debias=debias,
     )
+
+
+# Names a diff file or a report column is made of: no path separators, no
+# leading dot, and not the name of the task diff (``export/diffs/task``).
+_ATTRIBUTE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+RESERVED_NAMES = ("task",)
+
+
+def check_attribute_names(attributes) -> None:
+    """Attribute names become file names (``export/diffs/<name>.safetensors``)
+    and config keys: refuse duplicates, path-like names and reserved ones."""
+    seen = set()
+    for a in attributes:
+        if a in seen:
+            raise ValueError(
+                f"The attribute list {list(attributes)} names {a!r} twice; list "
+                "each protected attribute once (config.method.attributes or "
+                "config.data.attributes)."
+            )
+        seen.add(a)
+        if a in RESERVED_NAMES:
+            raise ValueError(
+                f"The attribute name {a!r} is reserved (the task's own diff is "
+                "exported under it); rename the attribute, e.g. with "
+                f"config.data.columns.attributes.{a}_attr = {a!r}."
+            )
+        if not _ATTRIBUTE_NAME.fullmatch(str(a)) or ".." in str(a):
+            raise ValueError(
+                f"The attribute name {a!r} cannot be a file name (its diff is "
+                "saved as export/diffs/<name>.safetensors): use letters, digits, "
+                "'_', '-' or '.', starting with a letter or digit; map the "
+                "column to such a name with config.data.columns.attributes.<name>."
+            )
+
+
+def _check_vocabulary(dataset, config) -> None:
+    """Token ids beyond the model's embedding table would index past it (NaN
+    losses on CPU, garbage on accelerators): refuse them up front."""
+    from moddiffy_jax.models import bert as bert_lib
+
+    model_cfg = config.model
+    if model_cfg.init == "random" and not model_cfg.dir:
+        vocab = int(model_cfg.vocab_size)
+    else:
+        directory = bert_lib.resolve_model_dir(model_cfg.dir or None)
+        vocab = bert_lib.BertConfig.from_json(directory / "config.json").vocab_size
+    top = max(
+        (int(np.max(s.input_ids)) for s in dataset.splits.values() if len(s)),
+        default=-1,
+    )
+    if top >= vocab:
+        raise ValueError(
+            f"The tokenizer produced token id {top}, but the model's vocabulary "
+            f"has {vocab} entries (config.model.vocab_size / the model's "
+            "config.json): the tokenizer does not belong to this model. Use the "
+            "model's own tokenizer (config.model.tokenizer_dir empty) or a model "
+            "whose vocabulary covers the tokenizer's."
+        )
 
 
 def _attr_tables(dataset, attributes, *, conditional: bool) -> dict[str, tuple]:
@@ -191,6 +253,22 @@ def check_prune_config(d: ml_collections.ConfigDict) -> None:
     ):
         if value not in valid:
             raise ValueError(f"config.diff.{key}={value!r} is not one of {valid}.")
+    keep = d.get("keep", None)
+    if isinstance(keep, bool) or not isinstance(keep, (int, float)):
+        raise ValueError(f"config.diff.keep={keep!r} must be a number.")
+    if isinstance(keep, float) and not 0.0 < keep <= 1.0:
+        raise ValueError(
+            f"config.diff.keep={keep!r}: a float keep is the share of entries "
+            "kept, in (0, 1] (0.01 keeps 1%); for a number of entries give an "
+            "int with diff.prune_schedule='final'."
+        )
+    if isinstance(keep, int) and keep < 1:
+        raise ValueError(f"config.diff.keep={keep!r} keeps no entry; use >= 1.")
+    if schedule == "gradual" and not isinstance(keep, float):
+        raise ValueError(
+            "diff.prune_schedule='gradual' needs diff.keep as a fraction in (0, 1], "
+            f"got {keep!r}; use prune_schedule='final' for a count."
+        )
     if schedule == "gradual" and d.structured:
         raise ValueError(
             "config.diff.prune_schedule='gradual' prunes entries, not whole "

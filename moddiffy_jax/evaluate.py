@@ -42,6 +42,12 @@ flags.DEFINE_bool("inlp", True, "Add the INLP rows.", flag_values=FLAGS)
 flags.DEFINE_bool(
     "linear", True, "Add a linear probe to every entry.", flag_values=FLAGS
 )
+flags.DEFINE_bool(
+    "allow_changed_inputs",
+    False,
+    "Evaluate although the data, tokenizer or base model changed since training.",
+    flag_values=FLAGS,
+)
 
 
 def _weights(items: Sequence[str]) -> dict[str, float]:
@@ -98,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_subset_size=FLAGS.max_subset_size,
             inlp=FLAGS.inlp,
             linear=FLAGS.linear,
+            allow_changed_inputs=FLAGS.allow_changed_inputs,
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -5,6 +5,9 @@ and one ``export/diffs/<name>.safetensors`` per diff the method exports
 (``Method.exports``); every process computes the composition table (task
 accuracy of the core, each diff and every larger subset of diffs), the
 bias-aligned / conflicting and OOD rows, and the method's own report.
+
+The export is staged and lands whole, with its manifest
+(:mod:`moddiffy_jax.manifest`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,13 @@ import numpy as np
 from moddiffy_jax import checkpoints
 from moddiffy_jax.eval.during import ood_and_bias
 from moddiffy_jax.eval.evaluator import composition_table
+from moddiffy_jax.manifest import (  # noqa: F401 - re-exported
+    MANIFEST_NAME,
+    IncompleteExport,
+    staged_export,
+    verify_export,
+    write_manifest,
+)
 from moddiffy_jax.subnets import diffs as diffs_lib
 
 
@@ -30,11 +40,39 @@ def export_and_evaluate(
     so replacing its own export files loses nothing.
     """
     core, head = ctx.method.model(ctx, trainable, frozen)
-    export = workdir / "export"
     chief = jax.process_index() == 0
     fp = diffs_lib.fingerprint(core)
-    meta = {"fingerprint": fp, "method": ctx.method.name}
     sparse = ctx.method.exports(ctx, trainable, frozen, phase)
+    with staged_export(workdir, fingerprint=fp, write=chief) as stage:
+        diff_info, extra = _write_export(
+            ctx, stage, core, head, sparse, trainable, frozen, fp, chief
+        )
+    splits = tuple(s for s in ("dev", "test") if s in ctx.data.splits)
+    params_by_row: dict[str, Any] = {}
+    rows = composition_table(ctx, evaluator, core, head, sparse, splits, params_by_row)
+    ood = ood_and_bias(ctx, evaluator, rows, params_by_row, splits)
+    if ood:
+        extra["ood"] = ood
+    if getattr(ctx.data, "bias_summary", None):
+        extra["bias_model"] = ctx.data.bias_summary
+    return {
+        **extra,
+        "method": ctx.method.name,
+        "dataset": ctx.data.name,
+        "synthetic": bool(ctx.data.synthetic),
+        "attributes": list(ctx.attributes),
+        "core_params": int(sum(np.size(x) for x in jax.tree.leaves(core))),
+        "core_fingerprint": fp,
+        "composition": rows,
+        "diffs": diff_info,
+    }
+
+
+def _write_export(ctx, stage, core, head, sparse, trainable, frozen, fp, chief):
+    """Writes the export's files into ``stage.dir``; returns (diff info, the
+    method's report with paths under the final ``export/``)."""
+    export = stage.dir
+    meta = {"fingerprint": fp, "method": ctx.method.name}
     diff_info = {}
     if chief:
         checkpoints.save_params(
@@ -53,25 +91,7 @@ def export_and_evaluate(
             "num_selected": int(sd.num_selected()),
             "density": float(sd.density()),
             "file_bytes": path.stat().st_size if chief else None,
-            "path": str(path),
+            "path": str(stage.final_path(path)),
         }
-    splits = tuple(s for s in ("dev", "test") if s in ctx.data.splits)
-    params_by_row: dict[str, Any] = {}
-    rows = composition_table(ctx, evaluator, core, head, sparse, splits, params_by_row)
-    ood = ood_and_bias(ctx, evaluator, rows, params_by_row, splits)
     extra = ctx.method.report(ctx, trainable, frozen, export, chief)
-    if ood:
-        extra["ood"] = ood
-    if getattr(ctx.data, "bias_summary", None):
-        extra["bias_model"] = ctx.data.bias_summary
-    return {
-        **extra,
-        "method": ctx.method.name,
-        "dataset": ctx.data.name,
-        "synthetic": bool(ctx.data.synthetic),
-        "attributes": list(ctx.attributes),
-        "core_params": int(sum(np.size(x) for x in jax.tree.leaves(core))),
-        "core_fingerprint": fp,
-        "composition": rows,
-        "diffs": diff_info,
-    }
+    return diff_info, stage.final_paths(extra)

@@ -10,21 +10,69 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from pathlib import Path
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+
+def define_flags(fv: flags.FlagValues, argv: list[str] | None = None) -> None:
+    """Defines the command line's flags on ``fv`` (``argv``: where the config
+    flag reads its ``--config.<key>`` overrides; default ``sys.argv``)."""
+    config_flags.DEFINE_config_file(
+        "config",
+        None,
+        "Experiment config file.",
+        flag_values=fv,
+        lock_config=True,
+        sys_argv=argv,
+    )
+    flags.DEFINE_string(
+        "workdir",
+        None,
+        "Run directory (created; resumed if it exists).",
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "distributed",
+        False,
+        "Call jax.distributed.initialize() first (multi-host GPU / TPU pod slices).",
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "break_lock",
+        False,
+        "Take over the run directory's lock left by a process on another host.",
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "allow_changed_inputs",
+        False,
+        "Resume although the base model, tokenizer or data changed since the run "
+        "started (a warning instead of an error).",
+        flag_values=fv,
+    )
+    flags.DEFINE_bool(
+        "debug",
+        False,
+        "Show the Python traceback of an error in the input.",
+        flag_values=fv,
+    )
+    flags.mark_flags_as_required(["config", "workdir"], flag_values=fv)
+
+
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file(
-    "config", None, "Experiment config file.", lock_config=True
-)
-flags.DEFINE_string("workdir", None, "Run directory (created; resumed if it exists).")
-flags.DEFINE_bool(
-    "distributed",
-    False,
-    "Call jax.distributed.initialize() first (multi-host GPU / TPU pod slices).",
-)
-flags.mark_flags_as_required(["config", "workdir"])
+define_flags(FLAGS)
+
+
+# Errors in what the user gave (config, data, files, run directory): one
+# message naming the problem and the fix, exit status 2, no traceback unless
+# --debug. Anything else is a bug and keeps its traceback.
+def user_errors() -> tuple[type[BaseException], ...]:
+    from moddiffy_jax.workdir import RunLocked
+
+    return (ValueError, OSError, RunLocked, FloatingPointError)
 
 
 def format_results(results: dict) -> str:
@@ -89,24 +137,120 @@ def _leak(entry) -> str:
     return f"{mean:.3f}" + (f" ± {std:.3f}" if has_std else "")
 
 
-def main(argv):
-    del argv
-    if not FLAGS["verbosity"].present:
+def _load_config_module(spec: str):
+    """The config of ``--config=path[:arg]`` without overrides, or None."""
+    import importlib.util
+
+    path, _, arg = spec.partition(":")
+    try:
+        module_spec = importlib.util.spec_from_file_location("_user_config", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        return module.get_config(arg) if arg else module.get_config()
+    except Exception:  # noqa: BLE001 - only used to explain another error
+        return None
+
+
+def explain_flag_error(argv: list[str], error: Exception) -> str:
+    """A message for a flag or config that failed to parse, naming the fix."""
+    specs = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    if specs and not Path(specs[-1].partition(":")[0]).is_file():
+        return (
+            f"--config={specs[-1]}: no such config file. The configs are in "
+            "configs/ (e.g. --config=configs/moddiffy_par.py)."
+        )
+    base = _load_config_module(specs[-1]) if specs else None
+    if base is not None:
+        for a in argv:
+            if not a.startswith("--config."):
+                continue
+            key = a[len("--config.") :].split("=", 1)[0]
+            node = base
+            parts = key.split(".")
+            for i, part in enumerate(parts):
+                if not hasattr(node, "keys") or part not in node:
+                    where = ".".join(["config", *parts[:i]])
+                    valid = sorted(node.keys()) if hasattr(node, "keys") else []
+                    return (
+                        f"--config.{key}: {where} has no field {part!r}. The config "
+                        f"is locked, so a misspelled key is an error; fields of "
+                        f"{where}: {', '.join(valid)}."
+                    )
+                node = node[part]
+    text = str(error)
+    if "Traceback (most recent call last)" in text:  # a get_config error, wrapped
+        last = [line for line in text.splitlines() if line.strip()][-1]
+        text = f"the config file failed: {last}"
+    return (
+        f"{text} (in the flags or the config; check --config=FILE[:key=value,...] "
+        "and each --config.<key>=<value>; --debug shows the traceback)"
+    )
+
+
+def parse_flags(argv: list[str], fv: flags.FlagValues = FLAGS) -> list[str]:
+    """``app.run``'s flag parser: a bad flag or config is one line, exit 2."""
+    try:
+        rest = fv(argv)
+        fv.config.keys()  # a config file that failed to load raises here
+        return rest
+    except Exception as e:  # noqa: BLE001 - every parse failure is the user's input
+        if "--debug" in argv:
+            raise
+        print(f"error: {explain_flag_error(argv, e)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run(fv: flags.FlagValues = FLAGS) -> int:
+    """Trains and evaluates from the parsed flags; returns the exit status."""
+    if "verbosity" not in FLAGS or not FLAGS["verbosity"].present:
         # Orbax and JAX log every checkpoint at INFO; -v 0 brings them back.
         logging.set_verbosity(logging.WARNING)
     import jax
 
-    if FLAGS.distributed:
+    if fv.distributed:
         jax.distributed.initialize()
     from moddiffy_jax import train
 
     logging.info("JAX devices: %s", jax.devices())
-    results = train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    try:
+        results = train.train_and_evaluate(
+            fv.config,
+            fv.workdir,
+            break_lock=fv.break_lock,
+            allow_changed_inputs=fv.allow_changed_inputs,
+        )
+    except train.Preempted as e:
+        print(f"{e} (--workdir={fv.workdir})")
+        return 0
+    except Exception as e:
+        if fv.debug or not isinstance(e, user_errors()):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1 if isinstance(e, FloatingPointError) else 2
     if jax.process_index() == 0:
         print(format_results(results))
         logging.info("results: %s", json.dumps(results, indent=2))
-        print(f"results: {FLAGS.workdir}/results.json")
+        print(f"results: {fv.workdir}/results.json")
+    return 0
+
+
+def cli(argv: list[str]) -> int:
+    """The command line in this process (tests, notebooks): ``argv`` without
+    the program name; fresh flags each call. Returns the exit status."""
+    argv = ["moddiffy_jax.main", *argv]
+    fv = flags.FlagValues()
+    define_flags(fv, argv)
+    try:
+        parse_flags(argv, fv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    return run(fv)
+
+
+def main(argv):
+    del argv
+    return run()
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -27,7 +27,10 @@ def make_mesh(num_devices: int | None = None) -> Mesh:
     n = jax.device_count() if num_devices is None else num_devices
     if n < 1 or n > jax.device_count():
         raise ValueError(
-            f"Asked for a mesh of {n} devices; {jax.device_count()} are visible."
+            f"config.num_devices={n}, but {jax.device_count()} device(s) are "
+            "visible: set config.num_devices to at most that (0 uses all), or "
+            "make more visible (on CPU: XLA_FLAGS="
+            "--xla_force_host_platform_device_count=N)."
         )
     return jax.make_mesh((n,), (DATA_AXIS,), axis_types=(AxisType.Auto,))
 

@@ -358,7 +358,12 @@ def _export_pruning(
     return out
 
 
-def run_ffw(config: ml_collections.ConfigDict, workdir: str | Path) -> dict:
+def run_ffw(
+    config: ml_collections.ConfigDict,
+    workdir: str | Path,
+    *,
+    allow_changed_inputs: bool = False,
+) -> dict:
     """Runs FFW surgery on ``config.method.core_run`` in ``workdir`` (resumable).
 
     Args:
@@ -368,6 +373,8 @@ def run_ffw(config: ml_collections.ConfigDict, workdir: str | Path) -> dict:
         ``train.progress`` and ``train.stop_at_step`` (> 0: simulate a
         preemption after that many *gate epochs*).
       workdir: the run directory; a checkpoint there is resumed.
+      allow_changed_inputs: resume although the data, base or core run
+        differ from those the run started with (see ``workdir.check_inputs``).
 
     Returns:
       The results, also written to ``workdir/results.json``.
@@ -376,14 +383,20 @@ def run_ffw(config: ml_collections.ConfigDict, workdir: str | Path) -> dict:
       workdir.Preempted: when ``config.train.stop_at_step`` stops the run.
     """
     from moddiffy_jax import context
+    from moddiffy_jax import manifest as manifest_lib
     from moddiffy_jax import workdir as workdir_lib
 
     wall_start = time.time()
     workdir = Path(workdir)
-    workdir_lib.prepare_workdir(config, workdir)
+    workdir_lib.check_workdir(config, workdir)
     ctx = context.build_context(config)
     core, head, fp = checkpoints.load_core_run(config.method.core_run)
     checkpoints.check_same_structure(core, ctx.pretrained, config.method.core_run)
+    inputs = workdir_lib.check_inputs(
+        workdir, ctx, allow_changed=allow_changed_inputs, record=False
+    )
+    workdir_lib.prepare_workdir(config, workdir)
+    workdir_lib.record_inputs(workdir, inputs)
     _, core_meta = checkpoints.load_params(
         Path(config.method.core_run) / "export" / "core.safetensors"
     )
@@ -424,9 +437,9 @@ def run_ffw(config: ml_collections.ConfigDict, workdir: str | Path) -> dict:
     ckpt = checkpoints.RunCheckpointer(
         workdir / "checkpoints", max_to_keep=config.train.keep_checkpoints
     )
-    writer = workdir_lib.MetricWriter(workdir)
+    latest = ckpt.latest_step()
+    writer = workdir_lib.MetricWriter(workdir, resume_step=latest or 0)
     try:
-        latest = ckpt.latest_step()
         if latest is not None:
             meta, _ = ckpt.restore_meta(latest)
             saved = ckpt.restore_state(latest, saved)
@@ -445,9 +458,13 @@ def run_ffw(config: ml_collections.ConfigDict, workdir: str | Path) -> dict:
     finally:
         ckpt.close()
         writer.close()
-    results = _finish(surgeon, saved, meta, workdir, fp, core_meta, config)
-    if cfg.with_core_diffs:
-        results["core_diffs"] = _copy_core_diffs(config.method.core_run, workdir, fp)
+    with manifest_lib.staged_export(workdir, fingerprint=fp) as stage:
+        results = _finish(surgeon, saved, meta, stage.dir, fp, core_meta, config)
+        if cfg.with_core_diffs:
+            results["core_diffs"] = _copy_core_diffs(
+                config.method.core_run, stage.dir, fp
+            )
+    results = stage.final_paths(results)
     results["wall_time_s"] = time.time() - wall_start
     checkpoints.write_json_atomic(workdir / "results.json", results)
     return results
@@ -477,16 +494,15 @@ def _limit_gate_train(ctx: Any, config: ml_collections.ConfigDict) -> Any:
     return dataclasses.replace(ctx, data=dataclasses.replace(ctx.data, splits=splits))
 
 
-def _copy_core_diffs(core_run: str, workdir: Path, fp: str) -> list[str]:
-    """Copies the core run's exported diffs made on the same core (same fingerprint)."""
+def _copy_core_diffs(core_run: str, export: Path, fp: str) -> list[str]:
+    """Copies the core run's exported diffs made on the same core (same
+    fingerprint) into the export directory ``export``."""
     copied = []
     for path in sorted((Path(core_run) / "export" / "diffs").glob("*.safetensors")):
         sd = diffs_lib.load_sparse_diff(str(path))
         if sd.base_fingerprint != fp or sd.name == "ffw":
             continue
-        diffs_lib.save_sparse_diff(
-            workdir / "export" / "diffs" / path.name, sd, overwrite=True
-        )
+        diffs_lib.save_sparse_diff(export / "diffs" / path.name, sd, overwrite=True)
         copied.append(sd.name)
     return copied
 
@@ -495,7 +511,7 @@ def _gate_loop(
     surgeon: _Surgeon, saved: dict, meta: dict, ckpt, writer, config
 ) -> None:
     """Gate epochs from ``meta["epoch"]`` on; updates ``saved``/``meta`` in place."""
-    from moddiffy_jax.workdir import Preempted
+    from moddiffy_jax.workdir import Preempted, stop_requested
 
     cfg = surgeon.cfg
     split = surgeon.ctx.data.splits[surgeon.splits["gate_train"]]
@@ -623,6 +639,8 @@ def _gate_loop(
             stop_at = int(config.train.stop_at_step)
             if stop_at and epoch >= stop_at and not meta["done"]:
                 raise Preempted(epoch)
+            if stop_requested() and not meta["done"]:
+                raise Preempted(epoch, f"{stop_requested()} received")
     finally:
         progress.close()
 
@@ -643,14 +661,14 @@ def _finish(
     surgeon: _Surgeon,
     saved: dict,
     meta: dict,
-    workdir: Path,
+    export: Path,
     fp: str,
     core_meta: Mapping[str, Any],
     config: ml_collections.ConfigDict,
 ) -> dict:
-    """Evaluates vanilla / final / best-intermediate gates and writes the exports."""
+    """Evaluates vanilla / final / best-intermediate gates and writes the
+    exports into the directory ``export``."""
     cfg = surgeon.cfg
-    export = workdir / "export"
     checkpoints.save_params(
         export / "core.safetensors",
         surgeon.base["encoder"],

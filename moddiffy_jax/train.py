@@ -31,12 +31,19 @@ import numpy as np
 from absl import logging
 
 from moddiffy_jax import checkpoints, parallel
+from moddiffy_jax import workdir as workdir_lib
 from moddiffy_jax.context import Context, build_context
 from moddiffy_jax.eval.during import evaluate_during
 from moddiffy_jax.eval.evaluator import Evaluator
 from moddiffy_jax.export import export_and_evaluate
 from moddiffy_jax.methods import common
-from moddiffy_jax.workdir import MetricWriter, Preempted, prepare_workdir, progress_bar
+from moddiffy_jax.workdir import (
+    MetricWriter,
+    Preempted,
+    check_workdir,
+    prepare_workdir,
+    progress_bar,
+)
 
 # Re-exported: ``train.build_context``, ``train.Preempted``... keep working.
 __all__ = [
@@ -102,26 +109,54 @@ class _Logger:
 
 
 def train_and_evaluate(
-    config: ml_collections.ConfigDict, workdir: str | os.PathLike
+    config: ml_collections.ConfigDict,
+    workdir: str | os.PathLike,
+    *,
+    break_lock: bool = False,
+    allow_changed_inputs: bool = False,
 ) -> dict:
     """Trains ``config``'s method in ``workdir`` (resuming if it holds a checkpoint).
+
+    The run holds ``workdir``'s lock (:class:`~moddiffy_jax.workdir.RunLock`)
+    throughout; a SIGTERM saves a checkpoint at the next step and raises
+    :class:`Preempted`.
+
+    Args:
+      config: an experiment config (``configs/``).
+      workdir: the run directory (created, or resumed).
+      break_lock: take over a lock left by a process on another host.
+      allow_changed_inputs: resume although the base model, tokenizer or data
+        differ from the run's start (a warning instead of an error).
 
     Returns:
       The final results (also written to ``workdir/results.json``).
     """
-    from moddiffy_jax.data import TrainIterator
     from moddiffy_jax.methods import registry
 
     method = registry.get_method(config.method.name)
-    if method.driver is not None:
-        return method.run_driver(config, workdir)
     workdir = Path(workdir)
-    prepare_workdir(config, workdir)
+    check_workdir(config, workdir)
+    with (
+        workdir_lib.locked(workdir, break_lock=break_lock),
+        workdir_lib.preemption_handler(),
+    ):
+        if method.driver is not None:
+            return method.run_driver(
+                config, workdir, allow_changed_inputs=allow_changed_inputs
+            )
+        return _train_and_evaluate(config, workdir, method, allow_changed_inputs)
+
+
+def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> dict:
+    from moddiffy_jax.data import TrainIterator
+
     wall_start = time.time()
     ctx = build_context(config)
     rng = jax.random.PRNGKey(config.seed)
     init_rng, step_rng = jax.random.split(rng)
-    trainable, frozen = method.init(ctx, init_rng)
+    trainable, frozen = method.init(ctx, init_rng)  # reads method.core_run
+    # Nothing is written until the config, data, model and runs it builds on
+    # have all been read and checked.
     iterator = TrainIterator(
         ctx.data.splits["train"],
         batch_size=config.train.batch_size,
@@ -129,16 +164,21 @@ def train_and_evaluate(
         shard_index=jax.process_index(),
         shard_count=jax.process_count(),
     )
+    inputs = workdir_lib.check_inputs(
+        workdir, ctx, allow_changed=allow_changed_inputs, record=False
+    )
+    prepare_workdir(config, workdir)
+    workdir_lib.record_inputs(workdir, inputs)  # on a fresh run
     ckpt = checkpoints.RunCheckpointer(
         workdir / "checkpoints", max_to_keep=config.train.keep_checkpoints
     )
-    writer = MetricWriter(workdir)
+    latest = ckpt.latest_step()
+    writer = MetricWriter(workdir, resume_step=latest or 0)
     evaluator = Evaluator(ctx)
 
     phases = method.phases_of(config)
     phase_index, phase_step, global_step = 0, 0, 0
     restored_state = None
-    latest = ckpt.latest_step()
     if latest is not None:
         meta, extra = ckpt.restore_meta(latest)
         phase_index = phases.index(meta["phase"])
@@ -181,10 +221,9 @@ def train_and_evaluate(
                     writer.write(global_step, {"phase": phase, **record})
                 progress.update(1)
                 at_end = phase_step == n_steps
-                # A simulated preemption (stop_at_step) saves like a periodic save.
-                stop = bool(config.train.stop_at_step) and (
-                    global_step >= config.train.stop_at_step
-                )
+                # A preemption (SIGTERM, or simulated by stop_at_step) saves
+                # like a periodic save, then stops.
+                stop = _stop_reason(config, global_step)
                 save = (
                     at_end or stop or global_step % config.train.checkpoint_every == 0
                 )
@@ -213,7 +252,7 @@ def train_and_evaluate(
                     )
                     logger.start = time.time()  # throughput excludes eval
                 if stop:
-                    raise Preempted(global_step)
+                    raise Preempted(global_step, stop)
             trainable = jax.device_get(state.trainable)
             frozen = jax.device_get(frozen)
             if pi + 1 < len(phases):
@@ -233,6 +272,8 @@ def train_and_evaluate(
                     )
                 phase_step = 0
         ckpt.wait()
+        if workdir_lib.stop_requested():  # trained and saved; export on resume
+            raise Preempted(global_step, f"{workdir_lib.stop_requested()} received")
     finally:
         # Waits for in-flight async saves, so an error (a NaN loss, a
         # preemption) still leaves the last good checkpoint complete.
@@ -249,6 +290,25 @@ def train_and_evaluate(
     if jax.process_index() == 0:
         checkpoints.write_json_atomic(workdir / "results.json", results)
     return results
+
+
+def _stop_reason(config, global_step: int) -> str | None:
+    """Why the loop stops after this step (it saves first), or None.
+
+    A SIGTERM is seen at once in a one-process run; processes of a
+    multi-process run agree on it at logging steps, so that all stop after
+    the same step.
+    """
+    if config.train.stop_at_step and global_step >= config.train.stop_at_step:
+        return "config.train.stop_at_step"
+    signal_name = workdir_lib.stop_requested()
+    if jax.process_count() > 1:
+        if global_step % config.train.log_every:
+            return None
+        if workdir_lib.agree_to_stop(signal_name is not None):
+            return f"{signal_name or 'SIGTERM'} received"
+        return None
+    return f"{signal_name} received" if signal_name else None
 
 
 def _leakage(config, workdir: Path, results: dict, attributes) -> dict[str, Any]:

@@ -69,6 +69,7 @@ def test_diff_from_another_base_is_refused(run, tmp_path):
     import jax
 
     from moddiffy_jax import checkpoints
+    from moddiffy_jax import export as export_lib
 
     mixed = tmp_path / "mixed"
     shutil.copytree(run, mixed)
@@ -76,6 +77,12 @@ def test_diff_from_another_base_is_refused(run, tmp_path):
     core, meta = checkpoints.load_params(core_path)
     other = jax.tree.map(lambda x: x * 1.01, core)
     checkpoints.save_params(core_path, other, metadata=meta, overwrite=True)
+    # The export's manifest notices the changed core first ...
+    with pytest.raises(export_lib.IncompleteExport, match="SHA-256"):
+        composition.evaluate_run(mixed, probe_config=FAST_PROBES)
+    # ... and an export assembled by hand (manifest rewritten) is still
+    # refused, by the diffs' base fingerprint.
+    export_lib.write_manifest(mixed / "export", fingerprint="hand-made")
     with pytest.raises(ValueError, match="fingerprint"):
         composition.evaluate_run(mixed, probe_config=FAST_PROBES)
     assert evaluate.main(["--workdir", str(mixed), "--max_epochs=1"]) == 2

@@ -32,9 +32,21 @@ def test_sharded_step_equals_single_device_step(method):
 
 
 def test_batch_not_divisible_by_devices_is_refused():
+    import types
+
+    import numpy as np
+
     from moddiffy_jax import parallel
 
-    mesh = parallel.make_mesh(1)
-    assert parallel.check_batch_size(8, mesh) == 8
-    with pytest.raises(ValueError, match="devices"):
+    assert parallel.check_batch_size(8, parallel.make_mesh(1)) == 8
+    four = types.SimpleNamespace(devices=np.empty((4,), object))  # a 4-device mesh
+    assert parallel.check_batch_size(8, four) == 8
+    with pytest.raises(ValueError, match="batch size 6 is not divisible by the 4"):
+        parallel.check_batch_size(6, four)
+
+
+def test_more_devices_than_visible_is_refused():
+    from moddiffy_jax import parallel
+
+    with pytest.raises(ValueError, match="num_devices=10000.*visible"):
         parallel.make_mesh(10_000)

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -489,7 +490,23 @@ def test_post_core_and_head_bit_identical_after_step(finetune_run):
     assert "task_head" not in state.trainable
 
 
-@pytest.mark.parametrize("stop_at", [3, 6])  # inside the L0 phase / in fixmask
+def _assert_same_exports(full_dir, workdir):
+    for name in ("core.safetensors", "task_head.safetensors"):
+        a, _ = checkpoints.load_params(full_dir / "export" / name)
+        b, _ = checkpoints.load_params(workdir / "export" / name)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            np.testing.assert_array_equal(x, y)
+    assert _exported_diffs(full_dir)
+    for f in _exported_diffs(full_dir):
+        a = diffs_lib.load_sparse_diff(f)
+        b = diffs_lib.load_sparse_diff(workdir / "export" / "diffs" / f.name)
+        for p in a.indices:
+            np.testing.assert_array_equal(a.indices[p], b.indices[p])
+            np.testing.assert_array_equal(a.values[p], b.values[p])
+
+
+# Stopping inside the L0 phase: test_sigterm_saves_at_the_next_step_... (step 3).
+@pytest.mark.parametrize("stop_at", [6])  # in fixmask
 def test_resume_equals_uninterrupted(par_run, tmp_path, stop_at):
     full_dir, _ = par_run
     with pytest.raises(train.Preempted):
@@ -498,17 +515,106 @@ def test_resume_equals_uninterrupted(par_run, tmp_path, stop_at):
         )
     assert not (tmp_path / "results.json").exists()
     train.train_and_evaluate(tiny("moddiffy_par"), tmp_path)
-    for name in ("core.safetensors", "task_head.safetensors"):
-        a, _ = checkpoints.load_params(full_dir / "export" / name)
-        b, _ = checkpoints.load_params(tmp_path / "export" / name)
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-            np.testing.assert_array_equal(x, y)
-    for f in _exported_diffs(full_dir):
-        a = diffs_lib.load_sparse_diff(f)
-        b = diffs_lib.load_sparse_diff(tmp_path / "export" / "diffs" / f.name)
-        for p in a.indices:
-            np.testing.assert_array_equal(a.indices[p], b.indices[p])
-            np.testing.assert_array_equal(a.values[p], b.values[p])
+    _assert_same_exports(full_dir, tmp_path)
+
+
+def test_sigterm_saves_at_the_next_step_and_resumes_exactly(
+    par_run, tmp_path, monkeypatch
+):
+    from moddiffy_jax import parallel
+
+    shard, calls = parallel.shard_batch, []
+
+    def shard_then_signal(batch, mesh):
+        calls.append(1)
+        if len(calls) == 3:  # the preemption notice arrives during step 3
+            os.kill(os.getpid(), signal.SIGTERM)
+        return shard(batch, mesh)
+
+    monkeypatch.setattr(parallel, "shard_batch", shard_then_signal)
+    with pytest.raises(train.Preempted, match="SIGTERM received.*re-run") as info:
+        train.train_and_evaluate(tiny("moddiffy_par"), tmp_path)
+    assert info.value.step == 3
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler removed
+    ckpt = checkpoints.RunCheckpointer(tmp_path / "checkpoints")
+    assert ckpt.latest_step() == 3
+    ckpt.close()
+    monkeypatch.undo()
+    train.train_and_evaluate(tiny("moddiffy_par"), tmp_path)
+    _assert_same_exports(par_run[0], tmp_path)
+    steps = [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")]
+    assert steps == sorted(steps)
+
+
+def _wait_for(proc, condition, what, timeout=300.0):
+    """Polls ``condition`` every millisecond while ``proc`` runs."""
+    import time
+
+    end = time.time() + timeout
+    while time.time() < end:
+        if condition():
+            return
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"run ended before {what}:\n{out}\n{err[-3000:]}")
+        time.sleep(0.001)
+    proc.kill()
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_killed_runs_resume_to_the_uninterrupted_result(par_run, tmp_path):
+    """The command line run: SIGTERM between steps exits 0; SIGKILL during an
+    async checkpoint write and during the export; the last resume ends
+    with the uninterrupted run's exports, bit for bit."""
+    import subprocess
+    import sys
+
+    workdir = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "moddiffy_jax.main",
+        "--config=configs/tiny.py:moddiffy_par",
+        "--config.eval.leakage=False",
+        f"--workdir={workdir}",
+    ]
+
+    def start():
+        return subprocess.Popen(
+            command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    def saving():
+        return any(".orbax-checkpoint-tmp" in p.name for p in ckpts.glob("*"))
+
+    ckpts = workdir / "checkpoints"
+    run = start()  # 1. SIGTERM once the first checkpoint is written
+    _wait_for(run, lambda: (workdir / "metrics.jsonl").exists(), "a checkpoint")
+    run.send_signal(signal.SIGTERM)
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-3000:]
+    assert "SIGTERM received" in out and "re-run the same command" in out
+    assert "Traceback" not in err
+    run = start()  # 2. SIGKILL while Orbax writes a checkpoint
+    _wait_for(run, saving, "an async checkpoint write")
+    run.kill()
+    run.communicate()
+    run = start()  # 3. SIGKILL while the export is being written
+    _wait_for(run, lambda: any(workdir.glob(".export-new-*")), "the export")
+    run.kill()
+    run.communicate()
+    assert not (workdir / "results.json").exists()
+    with pytest.raises(FileNotFoundError, match="incomplete|missing"):
+        from moddiffy_jax.eval import composition
+
+        composition.load_artifacts(workdir)
+    run = start()  # 4. to the end
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-3000:]
+    _assert_same_exports(par_run[0], workdir)
+    assert not list(workdir.glob(".export-*"))
+    steps = [json.loads(x)["step"] for x in open(workdir / "metrics.jsonl")]
+    assert steps == sorted(steps)
 
 
 def test_workdir_with_other_run_is_refused(par_run):

@@ -175,7 +175,8 @@ def load_run(
 
     Raises:
       RunError: if ``run_dir`` is not a directory, has no ``config.json``, has
-        no ``export/diffs/*.safetensors`` (with ``require_diffs``), or holds an
+        no ``export/diffs/*.safetensors`` (with ``require_diffs``), an export
+        whose files differ from its manifest, or holds an
         unreadable JSON file or (with ``load_diffs``) diff file. The message
         names the path and what is missing.
     """
@@ -191,6 +192,15 @@ def load_run(
     config = _read_json(config_path, "config")
     results_path = path / "results.json"
     results = _read_json(results_path, "results") if results_path.is_file() else None
+    # Exports land whole (export.staged_export); one that carries a manifest
+    # is checked against it. Hand-assembled directories without one are read.
+    if (path / "export" / "MANIFEST.json").is_file():
+        from moddiffy_jax.manifest import IncompleteExport, verify_export
+
+        try:
+            verify_export(path / "export")
+        except IncompleteExport as e:
+            raise RunError(f"Partial run directory {path}: {e}") from None
     diffs_dir = path / "export" / "diffs"
     files = sorted(diffs_dir.glob(f"*{DIFF_SUFFIX}")) if diffs_dir.is_dir() else []
     files = [f for f in files if not f.name.startswith(".")]  # temp files

@@ -80,7 +80,8 @@ class TrainIterator:
         n = len(split)
         if not 1 <= batch_size <= n:
             raise ValueError(
-                f"batch_size must be in [1, {n}] (the split size), got {batch_size}."
+                f"batch_size must be in [1, {n}] (the split size), got {batch_size}: "
+                "set config.train.batch_size."
             )
         if seed < 0:
             raise ValueError(f"seed must be non-negative, got {seed}.")

@@ -79,10 +79,17 @@ def read_table(path: str, *, file_format: str = "") -> dict[str, list]:
             f"working directory {os.getcwd()!r}). Relative paths in configs are "
             "relative to the repository root."
         )
-    if file_format in ("csv", "tsv"):
-        return _read_csv(path, delimiter="," if file_format == "csv" else "\t")
-    if file_format == "jsonl":
-        return _read_json(path)
+    try:
+        if file_format in ("csv", "tsv"):
+            return _read_csv(path, delimiter="," if file_format == "csv" else "\t")
+        if file_format == "jsonl":
+            return _read_json(path)
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path!r} is not UTF-8 text (byte {e.object[e.start]:#x} at offset "
+            f"{e.start}). Save it as UTF-8, e.g. `iconv -f latin1 -t utf-8 IN > OUT` "
+            "or pandas' to_csv(..., encoding='utf-8')."
+        ) from None
     return _read_parquet(path)
 
 
@@ -348,6 +355,13 @@ def _text(values: list, *, column: str, where: str, split: str) -> list[str]:
                 f"Missing text in column {column!r} of split {split!r} ({where}), "
                 f"row {row}."
             )
+    empty = [row for row, v in enumerate(values) if not str(v).strip()]
+    if empty:
+        raise ValueError(
+            f"{len(empty)} empty text(s) in column {column!r} of split {split!r} "
+            f"({where}), rows {empty[:5]}{' ...' if len(empty) > 5 else ''}: an "
+            "empty input says nothing about its labels. Drop or fill those rows."
+        )
     return [str(v) for v in values]
 
 

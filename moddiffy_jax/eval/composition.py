@@ -108,9 +108,13 @@ def load_artifacts(workdir: str | Path) -> RunArtifacts:
     """Core, task head and diffs of a run; diffs are checked against the core.
 
     Raises:
-      FileNotFoundError: a missing export (an unfinished or partial run).
+      FileNotFoundError: a missing export (an unfinished or partial run);
+        ``export.IncompleteExport`` when its manifest is missing or a file
+        differs from it.
       ValueError: a diff trained on another base (fingerprint or shapes).
     """
+    from moddiffy_jax.manifest import verify_export
+
     export = Path(workdir) / "export"
     for name in ("core.safetensors", "task_head.safetensors"):
         if not (export / name).is_file():
@@ -118,6 +122,7 @@ def load_artifacts(workdir: str | Path) -> RunArtifacts:
                 f"{export / name} is missing: the run in {workdir} has not finished "
                 "(re-run its training command to resume it) or was not trained here."
             )
+    verify_export(export)  # refuses a half-written or changed export
     core, _ = checkpoints.load_params(export / "core.safetensors")
     head, _ = checkpoints.load_params(export / "task_head.safetensors")
     diffs = {}
@@ -352,6 +357,7 @@ def evaluate_run(
     inlp: bool = True,
     linear: bool = True,
     batch_size: int = 128,
+    allow_changed_inputs: bool = False,
 ) -> dict[str, Any]:
     """Evaluates the composition matrix of a finished run; see the module doc.
 
@@ -363,17 +369,21 @@ def evaluate_run(
       inlp: add INLP rows (one per attribute) on the core representations.
       linear: add a linear probe to every leakage entry.
       batch_size: batch size for extracting representations.
+      allow_changed_inputs: evaluate although the data, tokenizer or base
+        differ from what the run was trained on (``workdir.check_inputs``).
 
     Returns:
       The results (also written to ``workdir/eval/results.json``).
     """
     from moddiffy_jax.context import build_context
+    from moddiffy_jax.workdir import check_inputs
 
     start = time.time()
     workdir = Path(workdir)
     config = load_run_config(workdir)
     art = load_artifacts(workdir)
     ctx = build_context(config)
+    check_inputs(workdir, ctx, allow_changed=allow_changed_inputs, record=False)
     if ctx.attributes:
         missing = [s for s in SPLITS if s not in ctx.data.splits]
         if missing:

@@ -134,11 +134,16 @@ class Method(MethodDef):
     config_sections: Callable[[], dict[str, ml_collections.ConfigDict]] = no_sections
     driver: str | None = None
 
-    def run_driver(self, config: ml_collections.ConfigDict, workdir: Any) -> dict:
+    def run_driver(
+        self, config: ml_collections.ConfigDict, workdir: Any, **kwargs: Any
+    ) -> dict:
         """Runs a method that owns its loop (``driver`` = ``"module:function"``).
+
+        ``kwargs`` (``allow_changed_inputs``) go to the driver.
 
         The driver is named, not imported here: the driver imports the
         method's module, so a direct import would make a circle.
         """
         module, _, function = self.driver.partition(":")
-        return getattr(importlib.import_module(module), function)(config, workdir)
+        driver = getattr(importlib.import_module(module), function)
+        return driver(config, workdir, **kwargs)

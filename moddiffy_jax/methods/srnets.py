@@ -273,6 +273,9 @@ def load_mask(
             f"No mask in {export} (looked for {[str(p) for p in candidates]}): "
             "config.srnets.mask_run must be a finished srnets_mask or srnets_imp run."
         )
+    from moddiffy_jax.manifest import verify_export
+
+    verify_export(export)
     sd = diffs_lib.load_sparse_diff(str(path))
     if sd.info.get("kind") != "pruning":
         raise ValueError(f"{path} is not a pruning mask (info: {sd.info}).")

@@ -67,7 +67,12 @@ def resolve_model_dir(model_dir: str | os.PathLike | None = None) -> pathlib.Pat
         source = f"package {DEFAULT_MODEL_PACKAGE}"
     path = path.expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(f"Model directory {path} (from {source}) not found.")
+        raise FileNotFoundError(
+            f"Model directory {path} (from {source}) not found. Point "
+            "config.model.dir at a local BERT directory (config.json, "
+            "model.safetensors, tokenizer files), or leave it empty for the "
+            "bundled all-MiniLM-L6-v2."
+        )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"Model directory {path} (from {source}) has no config.json."
@@ -280,7 +285,14 @@ def load_pretrained(
     config = BertConfig.from_json(
         path / "config.json", adapter_reduction_factor=adapter_reduction_factor
     )
-    params = convert_hf_state_dict(load_file(str(weights)), config, source=str(weights))
+    try:
+        tensors = load_file(str(weights))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise ValueError(
+            f"{weights} cannot be read as safetensors ({e}): the file is damaged "
+            "or not a checkpoint. Download or convert it again."
+        ) from None
+    params = convert_hf_state_dict(tensors, config, source=str(weights))
     params = jax.tree.map(jnp.asarray, params)
     if config.adapter_reduction_factor:
         adapters = init_adapter_params(
