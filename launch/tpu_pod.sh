@@ -5,6 +5,8 @@
 # jax.distributed.initialize() discovers the other hosts; each host reads its
 # own slice of every global batch and writes checkpoints to the shared workdir
 # (a filesystem every worker mounts, e.g. a Filestore or gcsfuse mount).
+# A maintenance event's SIGTERM makes all workers save one common step and
+# exit 0; run the same command again to resume.
 # Install on every worker, with the jax the package pins (setup.py):
 #   pip install -e . && pip install "jax[tpu]>=0.10,<0.11"
 set -euo pipefail

@@ -40,6 +40,25 @@ def define_flags(fv: flags.FlagValues, argv: list[str] | None = None) -> None:
         "Call jax.distributed.initialize() first (multi-host GPU / TPU pod slices).",
         flag_values=fv,
     )
+    flags.DEFINE_string(
+        "coordinator_address",
+        None,
+        "With --distributed: host:port of process 0's coordinator (omit where "
+        "JAX detects the cluster: TPU pods, SLURM, Open MPI).",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "num_processes",
+        None,
+        "With --distributed: the number of processes.",
+        flag_values=fv,
+    )
+    flags.DEFINE_integer(
+        "process_id",
+        None,
+        "With --distributed: this process's index, 0 .. num_processes - 1.",
+        flag_values=fv,
+    )
     flags.DEFINE_bool(
         "break_lock",
         False,
@@ -208,7 +227,11 @@ def run(fv: flags.FlagValues = FLAGS) -> int:
     import jax
 
     if fv.distributed:
-        jax.distributed.initialize()
+        jax.distributed.initialize(
+            coordinator_address=fv.coordinator_address,
+            num_processes=fv.num_processes,
+            process_id=fv.process_id,
+        )
     from moddiffy_jax import train
 
     logging.info("JAX devices: %s", jax.devices())

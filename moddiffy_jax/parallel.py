@@ -44,8 +44,23 @@ def data_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
-    """Puts every leaf of ``tree`` on all devices of ``mesh``."""
-    return jax.device_put(tree, replicated(mesh))
+    """Puts every leaf of ``tree`` on all devices of ``mesh``.
+
+    In a multi-process run each process holds the same values (same seed, or
+    restored from one checkpoint) and supplies them for its own devices;
+    arrays already on the mesh's replicated sharding are kept.
+    """
+    sharding = replicated(mesh)
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+
+    def put(x):
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
+        x = np.asarray(jax.device_get(x))
+        return jax.make_array_from_process_local_data(sharding, x, x.shape)
+
+    return jax.tree.map(put, tree)
 
 
 def check_batch_size(global_batch_size: int, mesh: Mesh) -> int:

@@ -17,6 +17,7 @@ eval / Orbax checkpoints -> ``Method.transition`` between phases ->
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -200,10 +201,12 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
                 trainable=trainable,
                 opt_states=common.init_opt_states(substeps, trainable),
             )
+            # On the mesh first: the restore then lands on the same global
+            # shardings (on every process of a multi-process run).
+            state = parallel.replicate(state, ctx.mesh)
             if restored_state is not None:
                 state = ckpt.restore_state(restored_state, state)
                 restored_state = None
-            state = parallel.replicate(state, ctx.mesh)
             frozen = parallel.replicate(frozen, ctx.mesh)
             step_fn = jax.jit(common.make_train_step(substeps), donate_argnums=(0,))
             n_steps = method.phase_steps(config, phase)
@@ -272,8 +275,9 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
                     )
                 phase_step = 0
         ckpt.wait()
-        if workdir_lib.stop_requested():  # trained and saved; export on resume
-            raise Preempted(global_step, f"{workdir_lib.stop_requested()} received")
+        # Trained and saved; a stop asked for now exports on the resume.
+        if workdir_lib.agree_to_stop(workdir_lib.stop_requested() is not None):
+            raise Preempted(global_step, "SIGTERM received")
     finally:
         # Waits for in-flight async saves, so an error (a NaN loss, a
         # preemption) still leaves the last good checkpoint complete.
@@ -289,6 +293,13 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     results["wall_time_s"] = time.time() - wall_start
     if jax.process_index() == 0:
         checkpoints.write_json_atomic(workdir / "results.json", results)
+    if jax.process_count() > 1:
+        # Every process ends here, after the chief's probes and writes, and
+        # returns the chief's results.
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("moddiffy_jax: run finished")
+        results = json.loads((workdir / "results.json").read_text())
     return results
 
 

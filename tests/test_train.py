@@ -505,19 +505,6 @@ def _assert_same_exports(full_dir, workdir):
             np.testing.assert_array_equal(a.values[p], b.values[p])
 
 
-# Stopping inside the L0 phase: test_sigterm_saves_at_the_next_step_... (step 3).
-@pytest.mark.parametrize("stop_at", [6])  # in fixmask
-def test_resume_equals_uninterrupted(par_run, tmp_path, stop_at):
-    full_dir, _ = par_run
-    with pytest.raises(train.Preempted):
-        train.train_and_evaluate(
-            tiny("moddiffy_par", **{"train.stop_at_step": stop_at}), tmp_path
-        )
-    assert not (tmp_path / "results.json").exists()
-    train.train_and_evaluate(tiny("moddiffy_par"), tmp_path)
-    _assert_same_exports(full_dir, tmp_path)
-
-
 def test_sigterm_saves_at_the_next_step_and_resumes_exactly(
     par_run, tmp_path, monkeypatch
 ):
@@ -527,17 +514,18 @@ def test_sigterm_saves_at_the_next_step_and_resumes_exactly(
 
     def shard_then_signal(batch, mesh):
         calls.append(1)
-        if len(calls) == 3:  # the preemption notice arrives during step 3
+        if len(calls) == 6:  # the preemption notice arrives during step 6
             os.kill(os.getpid(), signal.SIGTERM)
         return shard(batch, mesh)
 
     monkeypatch.setattr(parallel, "shard_batch", shard_then_signal)
     with pytest.raises(train.Preempted, match="SIGTERM received.*re-run") as info:
         train.train_and_evaluate(tiny("moddiffy_par"), tmp_path)
-    assert info.value.step == 3
+    assert info.value.step == 6  # in the fixmask phase (the L0 phase: the
+    # command-line tests stop and resume there)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler removed
     ckpt = checkpoints.RunCheckpointer(tmp_path / "checkpoints")
-    assert ckpt.latest_step() == 3
+    assert ckpt.latest_step() == 6
     ckpt.close()
     monkeypatch.undo()
     train.train_and_evaluate(tiny("moddiffy_par"), tmp_path)
@@ -563,9 +551,9 @@ def _wait_for(proc, condition, what, timeout=300.0):
 
 
 def test_killed_runs_resume_to_the_uninterrupted_result(par_run, tmp_path):
-    """The command line run: SIGTERM between steps exits 0; SIGKILL during an
-    async checkpoint write and during the export; the last resume ends
-    with the uninterrupted run's exports, bit for bit."""
+    """The command line run, SIGKILLed during an async checkpoint write and
+    during the export; the last resume ends with the uninterrupted run's
+    exports, bit for bit."""
     import subprocess
     import sys
 
@@ -588,18 +576,12 @@ def test_killed_runs_resume_to_the_uninterrupted_result(par_run, tmp_path):
         return any(".orbax-checkpoint-tmp" in p.name for p in ckpts.glob("*"))
 
     ckpts = workdir / "checkpoints"
-    run = start()  # 1. SIGTERM once the first checkpoint is written
-    _wait_for(run, lambda: (workdir / "metrics.jsonl").exists(), "a checkpoint")
-    run.send_signal(signal.SIGTERM)
-    out, err = run.communicate(timeout=300)
-    assert run.returncode == 0, err[-3000:]
-    assert "SIGTERM received" in out and "re-run the same command" in out
-    assert "Traceback" not in err
-    run = start()  # 2. SIGKILL while Orbax writes a checkpoint
+    # (SIGTERM through the command line: tests/test_multiprocess.py.)
+    run = start()  # 1. SIGKILL while Orbax writes a checkpoint
     _wait_for(run, saving, "an async checkpoint write")
     run.kill()
     run.communicate()
-    run = start()  # 3. SIGKILL while the export is being written
+    run = start()  # 2. SIGKILL while the export is being written
     _wait_for(run, lambda: any(workdir.glob(".export-new-*")), "the export")
     run.kill()
     run.communicate()
@@ -608,7 +590,7 @@ def test_killed_runs_resume_to_the_uninterrupted_result(par_run, tmp_path):
         from moddiffy_jax.eval import composition
 
         composition.load_artifacts(workdir)
-    run = start()  # 4. to the end
+    run = start()  # 3. to the end
     out, err = run.communicate(timeout=300)
     assert run.returncode == 0, err[-3000:]
     _assert_same_exports(par_run[0], workdir)
