@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -458,15 +459,23 @@ def run_ffw(
     finally:
         ckpt.close()
         writer.close()
-    with manifest_lib.staged_export(workdir, fingerprint=fp) as stage:
-        results = _finish(surgeon, saved, meta, stage.dir, fp, core_meta, config)
+
+    def finish(export: Path) -> dict:
+        results = _finish(surgeon, saved, meta, export, fp, core_meta, config)
         if cfg.with_core_diffs:
-            results["core_diffs"] = _copy_core_diffs(
-                config.method.core_run, stage.dir, fp
-            )
-    results = stage.final_paths(results)
+            results["core_diffs"] = _copy_core_diffs(config.method.core_run, export, fp)
+        return results
+
+    if jax.process_index() == 0:
+        with manifest_lib.staged_export(workdir, fingerprint=fp) as stage:
+            results = finish(stage.dir)
+        results = stage.final_paths(results)
+    else:  # every process computes the same surgery; process 0 writes it
+        with tempfile.TemporaryDirectory() as scratch:
+            results = finish(Path(scratch))
     results["wall_time_s"] = time.time() - wall_start
-    checkpoints.write_json_atomic(workdir / "results.json", results)
+    if jax.process_index() == 0:
+        checkpoints.write_json_atomic(workdir / "results.json", results)
     return results
 
 

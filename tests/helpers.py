@@ -1,5 +1,7 @@
 """Helpers shared by test modules."""
 
+import os
+
 from moddiffy_jax.config_lib import experiment_config
 
 
@@ -15,3 +17,23 @@ def tiny(method, arg="", **overrides):
                 node = node[p]
             node[last] = value
     return config
+
+
+def cli_env(devices: int) -> dict:
+    """This process's environment for a command-line subprocess that sees
+    ``devices`` CPU devices."""
+    env = dict(os.environ)
+    flags = env.get("XLA_FLAGS", "").replace(
+        "--xla_force_host_platform_device_count", "--ignored_device_count"
+    )
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
+    return env
+
+
+# The tiny MoDDiffy-par run through the command line (no leakage probes).
+TINY_PAR_CLI = [
+    "-m",
+    "moddiffy_jax.main",
+    "--config=configs/tiny.py:moddiffy_par",
+    "--config.eval.leakage=False",
+]

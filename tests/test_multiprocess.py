@@ -4,7 +4,6 @@ MoDDiffy-par config through the command line: training, a SIGTERM that both
 processes agree on, resume, export and evaluation. The result equals, bit
 for bit, one process driving two devices with the same global batch."""
 
-import os
 import pathlib
 import signal
 import socket
@@ -17,23 +16,9 @@ import numpy as np
 
 from moddiffy_jax import checkpoints
 from moddiffy_jax.subnets import diffs as diffs_lib
+from tests.helpers import TINY_PAR_CLI, cli_env
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-ARGS = [
-    "-m",
-    "moddiffy_jax.main",
-    "--config=configs/tiny.py:moddiffy_par",
-    "--config.eval.leakage=False",
-]
-
-
-def _env(devices=1):
-    env = dict(os.environ)
-    flags = env.get("XLA_FLAGS", "").replace(
-        "--xla_force_host_platform_device_count", "--ignored_device_count"
-    )
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
-    return env
 
 
 def _free_port():
@@ -46,11 +31,11 @@ def _start_pair(workdir):
     port = _free_port()
     return [
         subprocess.Popen(
-            [sys.executable, *ARGS, f"--workdir={workdir}", "--distributed"]
+            [sys.executable, *TINY_PAR_CLI, f"--workdir={workdir}", "--distributed"]
             + [f"--coordinator_address=localhost:{port}", "--num_processes=2"]
             + [f"--process_id={i}"],
             cwd=REPO,
-            env=_env(1),
+            env=cli_env(1),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -67,17 +52,8 @@ def _finish(procs):
     return [out for out, _ in outs]
 
 
-def test_two_processes_equal_one_process_on_two_devices(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    reference = subprocess.Popen(
-        [sys.executable, *ARGS, f"--workdir={one}"],
-        cwd=REPO,
-        env=_env(2),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    _finish([reference])
+def test_two_processes_equal_one_process_on_two_devices(two_device_run, tmp_path):
+    one, two = two_device_run, tmp_path / "two"
     procs = _start_pair(two)
     # The preemption notice reaches both once the first checkpoint exists.
     end = time.time() + 300

@@ -1,34 +1,12 @@
-"""Data parallelism: a sharded step equals the single-device step."""
+"""Data parallelism: meshes and batch sizes. (A run on two devices equals
+the one-device run: tests/test_train.py::test_data_parallel_run_equals_the_
+single_device_run; two processes equal one: tests/test_multiprocess.py.)"""
 
-import os
 import pathlib
-import re
-import subprocess
-import sys
 
 import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
-
-
-@pytest.mark.parametrize("method", ["moddiffy_par"])
-def test_sharded_step_equals_single_device_step(method):
-    env = dict(os.environ)
-    out = subprocess.run(
-        [sys.executable, str(HERE / "sharding_check.py"), method],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    match = re.search(r"MAXDIFF (\S+) LOSSDIFF (\S+) UPDATE (\S+)", out.stdout)
-    assert match, out.stdout
-    maxdiff, lossdiff, update = (float(x) for x in match.groups())
-    assert update > 1e-6  # the step really changed the params
-    assert maxdiff < 1e-5, maxdiff
-    assert lossdiff < 1e-5, lossdiff
 
 
 def test_batch_not_divisible_by_devices_is_refused():
