@@ -34,12 +34,23 @@ def _csv(path, rows=None, *, header="text,label,gender,split", encoding="utf-8")
     return path
 
 
-def _rows(text, splits=("train", "dev", "test"), n=8):
-    """CSV rows ``text(i),label,gender,split`` with both classes of each."""
+def _rows(text, splits=("train", "dev", "test"), n=8, gender=None):
+    """CSV rows ``text(i),label,gender,split``, both classes of each (or
+    ``gender(i)``)."""
+    gender = gender or (lambda i: "f" if i % 3 else "m")
     return [
-        f"{text(i)},{'pos' if i % 2 else 'neg'},{'f' if i % 3 else 'm'},{s}"
+        f"{text(i)},{'pos' if i % 2 else 'neg'},{gender(i)},{s}"
         for s in splits
         for i in range(n)
+    ]
+
+
+def _attribute_named(tmp, name):
+    """A CSV whose attribute column is ``name``, configured under that name."""
+    return _tabular(_csv(tmp / "d.csv", header=f"text,label,{name},split"))[:-3] + [
+        f"--config.data.attributes=('{name}',)",
+        "--config.data.columns.text=text",
+        "--config.data.columns.task=label",
     ]
 
 
@@ -214,28 +225,14 @@ CASES = [
     Case(
         "empty split",
         lambda t, w: _tabular(
-            _csv(
-                t / "d.csv",
-                rows=[
-                    f"w{i} x,{'pos' if i % 2 else 'neg'},{'f' if i % 3 else 'm'},{s}"
-                    for s in ("train", "test")
-                    for i in range(8)
-                ],
-            )
+            _csv(t / "d.csv", rows=_rows(lambda i: f"w{i} x", ("train", "test")))
         ),
         r"Split 'dev'.*is empty.*data.splits",
     ),
     Case(
         "single-class attribute",
         lambda t, w: _tabular(
-            _csv(
-                t / "d.csv",
-                rows=[
-                    f"w{i} x,{'pos' if i % 2 else 'neg'},f,{s}"
-                    for s in ("train", "dev", "test")
-                    for i in range(8)
-                ],
-            )
+            _csv(t / "d.csv", rows=_rows(lambda i: f"w{i} x", gender=lambda i: "f"))
         ),
         r"gender.*single class.*at least two",
     ),
@@ -252,40 +249,17 @@ CASES = [
     ),
     Case(
         "zero-length texts",
-        lambda t, w: _tabular(
-            _csv(
-                t / "d.csv",
-                rows=[
-                    f",{'pos' if i % 2 else 'neg'},{'f' if i % 3 else 'm'},{s}"
-                    for s in ("train", "dev", "test")
-                    for i in range(8)
-                ],
-            )
-        ),
+        lambda t, w: _tabular(_csv(t / "d.csv", rows=_rows(lambda i: ""))),
         r"empty text",
     ),
     Case(
         "attribute name that escapes the run dir",
-        lambda t, w: (
-            _tabular(_csv(t / "d.csv", header="text,label,../x,split"))[:-3]
-            + [
-                "--config.data.attributes=('../x',)",
-                "--config.data.columns.text=text",
-                "--config.data.columns.task=label",
-            ]
-        ),
+        lambda t, w: _attribute_named(t, "../x"),
         r"'\.\./x'.*file name",
     ),
     Case(
         "attribute named like the task diff",
-        lambda t, w: (
-            _tabular(_csv(t / "d.csv", header="text,label,task,split"))[:-3]
-            + [
-                "--config.data.attributes=('task',)",
-                "--config.data.columns.text=text",
-                "--config.data.columns.task=label",
-            ]
-        ),
+        lambda t, w: _attribute_named(t, "task"),
         r"'task'.*reserved",
     ),
     Case(
