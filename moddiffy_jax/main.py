@@ -59,6 +59,15 @@ def define_flags(fv: flags.FlagValues, argv: list[str] | None = None) -> None:
         "With --distributed: this process's index, 0 .. num_processes - 1.",
         flag_values=fv,
     )
+    flags.DEFINE_string(
+        "compilation_cache",
+        None,
+        "Directory of JAX's persistent compilation cache, so that a resumed or "
+        "repeated run loads its compiled steps instead of compiling them again "
+        "(default: $JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/moddiffy_jax/"
+        "jax or ~/.cache/moddiffy_jax/jax; '' turns it off).",
+        flag_values=fv,
+    )
     flags.DEFINE_bool(
         "break_lock",
         False,
@@ -219,6 +228,23 @@ def parse_flags(argv: list[str], fv: flags.FlagValues = FLAGS) -> list[str]:
         sys.exit(2)
 
 
+_CACHE_MAX_BYTES = 2 << 30
+
+
+def compilation_cache_dir(flag: str | None, env=None) -> str:
+    """The persistent compilation cache directory ('' for none): the flag,
+    else ``JAX_COMPILATION_CACHE_DIR``, else the user cache directory."""
+    import os
+
+    env = os.environ if env is None else env
+    if flag is not None:
+        return flag
+    if env.get("JAX_COMPILATION_CACHE_DIR"):
+        return env["JAX_COMPILATION_CACHE_DIR"]
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "moddiffy_jax", "jax")
+
+
 def run(fv: flags.FlagValues = FLAGS) -> int:
     """Trains and evaluates from the parsed flags; returns the exit status."""
     if "verbosity" not in FLAGS or not FLAGS["verbosity"].present:
@@ -234,6 +260,11 @@ def run(fv: flags.FlagValues = FLAGS) -> int:
         )
     from moddiffy_jax import train
 
+    cache = compilation_cache_dir(fv.compilation_cache)
+    if cache and jax.config.values.get("jax_compilation_cache_dir") != cache:
+        jax.config.update("jax_compilation_cache_dir", cache)
+        if jax.config.values.get("jax_compilation_cache_max_size", -1) < 0:
+            jax.config.update("jax_compilation_cache_max_size", _CACHE_MAX_BYTES)
     logging.info("JAX devices: %s", jax.devices())
     try:
         results = train.train_and_evaluate(

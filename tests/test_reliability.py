@@ -120,3 +120,14 @@ def test_changed_inputs_are_refused_with_what_changed(tmp_path):
     workdir_lib.check_inputs(tmp_path, changed, allow_changed=True)
     # The record keeps what the run started with.
     assert json.loads((tmp_path / "inputs.json").read_text()) == recorded
+
+
+def test_compilation_cache_defaults_to_the_user_cache_dir():
+    from moddiffy_jax import main
+
+    xdg = {"XDG_CACHE_HOME": "/c"}
+    assert main.compilation_cache_dir(None, xdg) == "/c/moddiffy_jax/jax"
+    env = {"JAX_COMPILATION_CACHE_DIR": "/j", **xdg}
+    assert main.compilation_cache_dir(None, env) == "/j"
+    assert main.compilation_cache_dir("/f", env) == "/f"
+    assert main.compilation_cache_dir("", env) == ""  # off
