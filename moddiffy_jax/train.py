@@ -331,7 +331,10 @@ def _leakage(config, workdir: Path, results: dict, attributes) -> dict[str, Any]
         seeds=tuple(config.eval.probe_seeds), max_epochs=config.eval.probe_epochs
     )
     evaluation = composition.evaluate_run(
-        workdir, probe_config=probe_config, inlp=config.eval.inlp
+        workdir,
+        probe_config=probe_config,
+        inlp=config.eval.inlp,
+        verify_inputs=False,  # checked when this run started
     )
     for label, row in evaluation["composition"].items():
         if label not in results["composition"]:  # the INLP baselines

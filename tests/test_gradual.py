@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moddiffy_jax import train
+from moddiffy_jax import context, train
 from moddiffy_jax.config_lib import experiment_config
 from moddiffy_jax.methods import common, moddiffy
 from moddiffy_jax.subnets import diffs, hard_concrete
@@ -68,8 +68,8 @@ def test_gradual_schedule_reaches_the_budget():
     assert values[-1] == pytest.approx(c.diff.keep)
     with c.unlocked():
         c.diff.keep = 5.0
-    with pytest.raises(ValueError, match="fraction"):
-        moddiffy.gradual_keep(c, 20, n)
+    with pytest.raises(ValueError, match="share of entries kept, in"):
+        context.check_prune_config(c.diff)  # before any run starts
 
 
 def test_taylor_scores_read_adams_second_moment():

@@ -148,12 +148,7 @@ def gradual_keep(config, phase_step: int, n_steps: int) -> float | None:
     fraction that falls cubically from 1 to ``diff.keep``, so the diff adapts
     to each cut and the final exact cut removes nothing the removal relied on.
     """
-    d = config.diff
-    if not isinstance(d.keep, float) or not 0.0 < d.keep <= 1.0:
-        raise ValueError(
-            "diff.prune_schedule='gradual' needs diff.keep as a fraction in (0, 1], "
-            f"got {d.keep!r}; use prune_schedule='final' for a count."
-        )
+    d = config.diff  # keep is a fraction here: context.check_prune_config
     begin, end = d.prune_start * n_steps, d.prune_end * n_steps
     if phase_step % d.prune_every or not begin < phase_step < end + d.prune_every:
         return None
