@@ -108,6 +108,11 @@ def format_results(results: dict) -> str:
     lines = []
     synthetic = " (SYNTHETIC data)" if results.get("synthetic") else ""
     lines.append(f"method {results['method']} on {results['dataset']}{synthetic}")
+    if "composition" not in results:  # FFW on images: its own before/after table
+        lines += format_ffw(results)
+        if "wall_time_s" in results:
+            lines.append(f"wall time: {results['wall_time_s']:.0f} s")
+        return "\n".join(lines)
     rows = results["composition"]
     leakage = results.get("leakage", {})
     attrs = results.get("attributes", []) if leakage else []
@@ -154,6 +159,53 @@ def format_results(results: dict) -> str:
     if "eval_report" in results:
         lines.append(f"full report: {results['eval_report']}")
     return "\n".join(lines)
+
+
+def format_ffw(results: dict) -> list[str]:
+    """FFW's rows: the vanilla model, the soft-gated net at the last gate
+    epoch's temperature, and the hard prunings (final, best intermediate)."""
+    rows = [("vanilla", results.get("vanilla"))]
+    soft = results.get("final_soft")
+    if soft:
+        rows.append((f"soft gates (T={soft['temperature']:.0e})", soft))
+    rows += [
+        ("pruned (final gates)", results.get("final")),
+        ("pruned (best intermediate)", results.get("best_intermediate")),
+    ]
+    attrs = results.get("attributes", [])
+    width = max(len(label) for label, _ in rows) + 2
+    cols = ["test acc", "unbiased", "conflicting", "bias acc", "MI", "pruned"]
+    lines = ["configuration".ljust(width) + "".join(c.rjust(13) for c in cols)]
+    for label, entry in rows:
+        if not entry:
+            continue
+        test = entry["eval"].get("test", {})
+
+        def mean_of(suffix, test=test):
+            vals = [test[f"{a}/{suffix}"] for a in attrs if f"{a}/{suffix}" in test]
+            return sum(vals) / len(vals) if vals else None
+
+        leak = entry.get("leakage", {})
+        cells = [
+            test.get("accuracy"),
+            mean_of("unbiased_accuracy"),
+            mean_of("conflicting_accuracy"),
+            leak.get("mean_bias_acc"),
+            leak.get("mean_mi"),
+            entry.get("pruned_fraction", 0.0 if label == "vanilla" else None),
+        ]
+        lines.append(
+            label.ljust(width)
+            + "".join(("-" if v is None else f"{v:.3f}").rjust(13) for v in cells)
+        )
+    lines.append(
+        "test acc: accuracy on the test split; unbiased / conflicting: mean "
+        "accuracy over (task, bias) groups / on bias-conflicting examples; bias "
+        "acc and MI: a bias head trained afresh on each network, on gate-val "
+        f"(vanilla: PH0). Stopped: {results.get('stop_reason')} after "
+        f"{results.get('num_gate_epochs')} gate epochs."
+    )
+    return lines
 
 
 def _leak(entry) -> str:

@@ -35,10 +35,13 @@ from moddiffy_jax.methods.ffw import (
     TemperatureState,
     batched_mutual_information,
     bias_logits,
+    check_schedule,
+    crossed_decade,
     default_ffw_config,
     epoch_batches,
     gate_followers,
     gate_selection,
+    geometric_temperature,
     init_bias_heads,
     make_gate_optimizer,
     make_gate_step,
@@ -57,9 +60,16 @@ from moddiffy_jax.subnets import selection
 PyTree = Any
 
 # Seed-sequence tags of the shuffles (all derived from config.seed).
-(_TAG_PH0, _TAG_GATE, _TAG_REFINE, _TAG_PRUNED, _TAG_RETUNE, _TAG_FINAL, _TAG_BEST) = (
-    range(7)
-)
+(
+    _TAG_PH0,
+    _TAG_GATE,
+    _TAG_REFINE,
+    _TAG_PRUNED,
+    _TAG_RETUNE,
+    _TAG_FINAL,
+    _TAG_BEST,
+    _TAG_SOFT,
+) = range(8)
 
 # -----------------------------------------------------------------------------
 # The surgeon: jitted pieces bound to one model, data and config.
@@ -404,6 +414,7 @@ def run_ffw(
     core_meta = dict(core_meta)
     core_meta.setdefault("fingerprint", diffs_lib.fingerprint(core))
     ctx = _limit_gate_train(ctx, config)
+    check_schedule(config.ffw)
     surgeon = _Surgeon(config, ctx, core, head)
     cfg = surgeon.cfg
 
@@ -577,13 +588,29 @@ def _gate_loop(
             )
             record.update({f"val/mi/{a}": v for a, v in leak["mi"].items()})
             record.update({f"val/bias_acc/{a}": v for a, v in leak["bias_acc"].items()})
-            controller, changed = step_temperature(
-                controller,
-                leak["mean_mi"],
-                factor=cfg.tau_factor,
-                patience=cfg.tau_patience,
-                threshold=cfg.tau_threshold,
-            )
+            annealed = False
+            if cfg.tau_schedule == "geometric":
+                # A fixed anneal: T after this epoch, whatever the MI did.
+                # The hard pruning is scored at every power of ten and at
+                # the end, as often as the plateau controller's decays.
+                new_tau = geometric_temperature(
+                    epoch,
+                    tau0=cfg.tau0,
+                    tau_end=cfg.tau_end,
+                    anneal_epochs=int(cfg.anneal_epochs),
+                )
+                annealed = epoch >= int(cfg.anneal_epochs) + int(cfg.hold_epochs)
+                changed = annealed or crossed_decade(tau, new_tau)
+                best = leak["mean_mi"] if controller.best is None else controller.best
+                controller = TemperatureState(new_tau, min(best, leak["mean_mi"]), 0)
+            else:
+                controller, changed = step_temperature(
+                    controller,
+                    leak["mean_mi"],
+                    factor=cfg.tau_factor,
+                    patience=cfg.tau_patience,
+                    threshold=cfg.tau_threshold,
+                )
             meta["temperature_history"].append([epoch, tau])
             # d. On a temperature change: evaluate the hard pruning.
             if changed:
@@ -609,7 +636,12 @@ def _gate_loop(
                 if meta["best_score"] is None or score < meta["best_score"]:
                     meta["best_score"], meta["best_epoch"] = score, epoch
                     saved["best_logits"] = jax.tree.map(jnp.copy, state.logits)
-                if controller.temperature < cfg.tau_min:
+                if annealed:
+                    meta["done"], meta["stop_reason"] = True, "annealed"
+                elif (
+                    cfg.tau_schedule == "plateau"
+                    and controller.temperature < cfg.tau_min
+                ):
                     meta["done"], meta["stop_reason"] = True, "tau_min"
                 else:
                     gated = surgeon.apply(
@@ -710,6 +742,15 @@ def _finish(
     }
     results["vanilla"] = surgeon.evaluate(surgeon.base, ph0, None)
     results["vanilla"]["leakage"]["note"] = "PH0 (trained on the vanilla features)"
+    if meta["temperature_history"]:
+        # The soft-gated network the final gates were trained as (the
+        # temperature of the last gate epoch), to set beside its hard cut.
+        last_tau = float(meta["temperature_history"][-1][1])
+        soft = surgeon.apply(surgeon.base, saved["train"].logits, jnp.float32(last_tau))
+        results["final_soft"] = {
+            "temperature": last_tau,
+            **surgeon.evaluate(soft, ph0, (_TAG_SOFT,)),
+        }
     candidates = [("final", saved["train"].logits, meta["epoch"], _TAG_FINAL)]
     if meta["best_epoch"] is not None:
         candidates.append(
@@ -758,4 +799,21 @@ def _finish(
     results["diffs"] = {
         "ffw": {k: v for k, v in results["final"]["export"].items() if k != "gates"}
     }
+    if "final_soft" in results:
+        # What the hard cut changes: test accuracy, and the share of test
+        # examples on which the pruned net predicts what the soft net did.
+        test = surgeon.splits["test"]
+        last_tau = results["final_soft"]["temperature"]
+        logits = saved["train"].logits
+        soft = surgeon.apply(surgeon.base, logits, jnp.float32(last_tau))
+        _, soft_logits = surgeon.features(soft, test)
+        _, hard_logits = surgeon.features(surgeon.prune(surgeon.base, logits), test)
+        results["cut"] = {
+            "temperature": last_tau,
+            "test_accuracy_change": results["final"]["eval"][test]["accuracy"]
+            - results["final_soft"]["eval"][test]["accuracy"],
+            "test_prediction_agreement": float(
+                np.mean(soft_logits.argmax(-1) == hard_logits.argmax(-1))
+            ),
+        }
     return results

