@@ -22,7 +22,10 @@ loss=ce|poe|reweighting|conf_reg (conf_reg also needs
 --config.method.teacher_run, a finetune run), sparsity=0.2|0.5|0.7|0.9.
 Gradual sparsity: --config.srnets.schedule=cubic
 --config.srnets.initial_sparsity=0.7 (with sparsity=0.9) and
---config.srnets.init=magnitude_soft. The mask is exported as
+--config.srnets.init=magnitude_soft. The reference's model selection (the
+mask of the best dev evaluation after 70% of training):
+--config.train.select=best_dev --config.train.eval_every=50
+--config.train.select_from=0.7 (results.json: "selected"). The mask is exported as
 export/diffs/mask.safetensors; ``python -m moddiffy_jax.evaluate`` reports the
 dense core and core+mask side by side (task, bias-aligned/conflicting
 accuracy, leakage, OOD sets).

@@ -117,6 +117,10 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.train.fixmask_steps = 100  # ... then fixmask phase.
     c.train.log_every = 10
     c.train.eval_every = 0  # 0: only at the end of each phase.
+    # "last": export the state after the last step; "best_dev": the state of
+    # the last phase that scored best on dev at the evaluations (best.py).
+    c.train.select = "last"
+    c.train.select_from = 0.0  # best_dev: share of the last phase before it counts
     c.train.checkpoint_every = 100
     c.train.keep_checkpoints = 2
     c.train.stop_at_step = 0  # >0: simulate a preemption after this step.

@@ -31,6 +31,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from moddiffy_jax import best as best_lib
 from moddiffy_jax import checkpoints, parallel
 from moddiffy_jax import workdir as workdir_lib
 from moddiffy_jax.context import Context, build_context
@@ -152,6 +153,7 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     from moddiffy_jax.data import TrainIterator
 
     wall_start = time.time()
+    best_lib.check_select(config)
     ctx = build_context(config)
     rng = jax.random.PRNGKey(config.seed)
     init_rng, step_rng = jax.random.split(rng)
@@ -180,7 +182,13 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     phases = method.phases_of(config)
     phase_index, phase_step, global_step = 0, 0, 0
     restored_state = None
+    best = best_lib.BestDev(
+        workdir,
+        config.train.get("select", "last") == "best_dev",
+        start=config.train.get("select_from", 0.0),
+    )
     if latest is not None:
+        best.load()
         meta, extra = ckpt.restore_meta(latest)
         phase_index = phases.index(meta["phase"])
         phase_step, global_step = meta["phase_step"], meta["step"]
@@ -244,7 +252,7 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
                 if config.train.eval_every and (
                     global_step % config.train.eval_every == 0 or at_end
                 ):
-                    evaluate_during(
+                    rows = evaluate_during(
                         ctx,
                         evaluator,
                         writer,
@@ -253,6 +261,15 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
                         phase,
                         global_step,
                     )
+                    if phase == phases[-1]:
+                        best.offer(
+                            rows,
+                            state.trainable,
+                            frozen,
+                            phase,
+                            global_step,
+                            progress=phase_step / n_steps,
+                        )
                     logger.start = time.time()  # throughput excludes eval
                 if stop:
                     raise Preempted(global_step, stop)
@@ -264,7 +281,7 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
                     ctx, trainable, frozen, next_phase
                 )
                 if config.train.eval_every:  # right after the cut
-                    evaluate_during(
+                    rows = evaluate_during(
                         ctx,
                         evaluator,
                         writer,
@@ -273,6 +290,10 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
                         next_phase,
                         global_step,
                     )
+                    if next_phase == phases[-1]:
+                        best.offer(
+                            rows, trainable, frozen, next_phase, global_step, 0.0
+                        )
                 phase_step = 0
         ckpt.wait()
         # Trained and saved; a stop asked for now exports on the resume.
@@ -284,9 +305,15 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
         ckpt.close()
         progress.close()
         writer.close()
+    selected = {"rule": "last", "step": global_step}
+    kept = best.restore(trainable, frozen)
+    if kept is not None:
+        trainable, frozen, _ = kept
+        selected = {"rule": "best_dev", **best.info}
     results = export_and_evaluate(
         ctx, evaluator, workdir, trainable, frozen, phases[-1]
     )
+    results["selected"] = selected
     results["train_wall_time_s"] = time.time() - wall_start
     if config.eval.leakage and jax.process_index() == 0:
         results.update(_leakage(config, workdir, results, ctx.attributes))

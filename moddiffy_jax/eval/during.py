@@ -15,8 +15,11 @@ from moddiffy_jax.eval.evaluator import composition_table
 
 def evaluate_during(
     ctx, evaluator, writer, trainable, frozen, phase: str, step: int
-) -> None:
-    """Dev accuracy of every composition (and fresh probes) into the metrics."""
+) -> dict[str, Any]:
+    """Dev accuracy of every composition (and fresh probes) into the metrics.
+
+    Returns the composition rows (label -> {"dev_task_acc": ...}).
+    """
     trainable, frozen = jax.device_get(trainable), jax.device_get(frozen)
     core, head = ctx.method.model(ctx, trainable, frozen)
     sparse = ctx.method.exports(ctx, trainable, frozen, phase)
@@ -32,6 +35,7 @@ def evaluate_during(
     if ctx.config.eval.probe_during and ctx.attributes:
         record.update(fresh_probes(ctx, params_by_row))
     writer.write(step, record)
+    return rows
 
 
 def fresh_probes(ctx, params_by_row) -> dict[str, float]:
