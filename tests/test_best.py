@@ -5,10 +5,9 @@ fine-tuning; the rule is the same for every method of the shared loop)."""
 import json
 
 import ml_collections
-import numpy as np
 import pytest
 
-from moddiffy_jax import best, checkpoints, train
+from moddiffy_jax import best, train
 from moddiffy_jax.config_lib import experiment_config
 from moddiffy_jax.workdir import Preempted
 
@@ -35,26 +34,25 @@ def _dev_scores(workdir):
     return scores
 
 
-@pytest.fixture(scope="module")
-def selected_run(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("best")
-    return workdir, train.train_and_evaluate(_config(), workdir)
-
-
-def test_the_export_is_the_best_dev_state(selected_run):
-    workdir, results = selected_run
-    scores = _dev_scores(workdir)
+def test_a_preempted_run_exports_the_best_dev_state(tmp_path):
+    """Preempted after its best evaluation and its checkpoint at step 4, then
+    resumed: the run still exports the best state of all eight evaluations
+    (kept in best/ across the restart), as an uninterrupted run would."""
+    with pytest.raises(Preempted):
+        train.train_and_evaluate(_config(stop_at_step=5), tmp_path)
+    results = train.train_and_evaluate(_config(), tmp_path)
+    scores = _dev_scores(tmp_path)
     assert sorted(scores) == list(range(1, 9))
     top = max(scores.values())
     first_best = min(s for s, v in scores.items() if v == top)
     chosen = results["selected"]
     assert chosen["rule"] == "best_dev" and chosen["row"] == "core"
     assert chosen["step"] == first_best and chosen["score"] == top
-    # The exported model, evaluated afresh, scores what the selection saw,
-    # and is not the last step's (unless that was the best).
+    # Chosen before the restart: the state came from best/, not the resumed
+    # weights; and the scores moved, so the choice was a real one.
+    assert first_best < 4 and len(set(scores.values())) > 1
+    # The exported model, evaluated afresh, scores what the selection saw.
     assert results["composition"]["core"]["dev_task_acc"] == top
-    # The scores moved, so choosing the best was a real choice.
-    assert len(set(scores.values())) > 1
 
 
 def test_select_from_ignores_the_early_evaluations():
@@ -62,23 +60,6 @@ def test_select_from_ignores_the_early_evaluations():
     rows = {"core": {"dev_task_acc": 0.9}}
     assert not keeper.offer(rows, {}, {}, "train", 2, progress=0.25)
     assert keeper.info is None
-
-
-def test_a_preempted_run_selects_and_exports_the_same(selected_run, tmp_path):
-    workdir, results = selected_run
-    with pytest.raises(Preempted):
-        train.train_and_evaluate(_config(stop_at_step=5), tmp_path)
-    resumed = train.train_and_evaluate(_config(), tmp_path)
-    assert resumed["selected"] == results["selected"]
-    name = "core.safetensors"
-    a, _ = checkpoints.load_params(workdir / "export" / name)
-    b, _ = checkpoints.load_params(tmp_path / "export" / name)
-    for x, y in zip(
-        checkpoints.selection.flatten(a).values(),
-        checkpoints.selection.flatten(b).values(),
-        strict=True,
-    ):
-        np.testing.assert_array_equal(x, y)
 
 
 @pytest.mark.parametrize(
