@@ -109,7 +109,10 @@ class _Surgeon:
         self.include, self.exclude, self.paths = gate_selection(cfg, model, core, head)
         rules = [re.escape(p) for p in self.paths]
         self.init_logits = gates_lib.init_gates(
-            self.base, rules, structured=cfg.structured
+            self.base,
+            rules,
+            structured=cfg.structured,
+            init=float(cfg.get("init_logit", 0.0)),
         ).logits
         self.followers = (
             gate_followers(model, core, head, self.paths) if cfg.structured else {}

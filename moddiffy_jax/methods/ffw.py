@@ -165,7 +165,10 @@ def default_ffw_config(kind: str = "text") -> ml_collections.ConfigDict:
     c.ph_max_epochs = 200
     # Batches of gate epochs, PH epochs and the per-batch validation MI.
     c.batch_size = 100
-    # Gates.
+    # Gates. init_logit: every gate logit's start (the reference: 0, where
+    # Adam's first steps push about half of them below 0, i.e. pruned by the
+    # final cut; > 0 keeps a gate open until the objective pushes it down).
+    c.init_logit = 0.0
     c.structured = False
     c.include = ()  # regexes over encoder param paths; empty: the model's default
     c.exclude = ()
