@@ -33,26 +33,3 @@ def tokenizer():
     return transformers.AutoTokenizer.from_pretrained(
         gt.get_model_path(), local_files_only=True
     )
-
-
-@pytest.fixture(scope="session")
-def two_device_run(tmp_path_factory):
-    """The tiny MoDDiffy-par command line, one process driving two CPU
-    devices (the batch split on "data"): the reference of the crash and
-    multi-process tests, and the data-parallel side of the one-device check."""
-    import subprocess
-    import sys
-
-    from tests.helpers import TINY_PAR_CLI, cli_env
-
-    workdir = tmp_path_factory.mktemp("two_devices") / "run"
-    out = subprocess.run(
-        [sys.executable, *TINY_PAR_CLI, f"--workdir={workdir}"],
-        cwd=pathlib.Path(__file__).resolve().parent.parent,
-        env=cli_env(2),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return workdir

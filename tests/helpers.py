@@ -1,8 +1,11 @@
 """Helpers shared by test modules."""
 
+import json
 import os
 
+from moddiffy_jax import checkpoints
 from moddiffy_jax.config_lib import experiment_config
+from moddiffy_jax.subnets import diffs
 
 
 def tiny(method, arg="", **overrides):
@@ -37,3 +40,30 @@ TINY_PAR_CLI = [
     "--config=configs/tiny.py:moddiffy_par",
     "--config.eval.leakage=False",
 ]
+
+
+def exported_diffs(workdir):
+    """The exported diff files of a run, sorted by name."""
+    return sorted((workdir / "export" / "diffs").glob("*.safetensors"))
+
+
+def check_run(workdir, results, method):
+    """Checks what every finished tiny run writes; returns its exported core."""
+    assert (workdir / "config.json").is_file()
+    assert (workdir / "results.json").is_file()
+    assert json.loads((workdir / "results.json").read_text())["method"] == method
+    assert results["synthetic"] is True
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(x) for x in lines]
+    assert any("task/loss" in r or "debias/gender/loss" in r for r in records)
+    # Exports get the permissions a plain open() would give (shareable runs).
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (workdir / "export").rglob("*.safetensors"):
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path
+    core, meta = checkpoints.load_params(workdir / "export" / "core.safetensors")
+    assert meta["fingerprint"] == diffs.fingerprint(core)
+    for row in results["composition"].values():
+        for value in row.values():
+            assert 0.0 <= value <= 1.0
+    return core

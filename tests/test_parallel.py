@@ -1,6 +1,5 @@
 """Data parallelism: meshes and batch sizes. (A run on two devices equals
-the one-device run: tests/test_train.py::test_data_parallel_run_equals_the_
-single_device_run; two processes equal one: tests/test_multiprocess.py.)"""
+the one-device run, and two processes equal one: tests/test_par_runs.py.)"""
 
 import pathlib
 

@@ -1,10 +1,9 @@
-"""End-to-end training on the tiny config: every method, resume, bad input."""
+"""End-to-end training on the tiny config: every method, the first steps'
+invariants, bad input. (The MoDDiffy-par run, its resumes and its data-parallel
+twins: tests/test_par_runs.py.)"""
 
 import importlib.util
-import json
-import os
 import pathlib
-import signal
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +14,7 @@ from moddiffy_jax import checkpoints, train
 from moddiffy_jax.config_lib import experiment_config, parse_arg
 from moddiffy_jax.methods import METHODS, common, registry, removal
 from moddiffy_jax.subnets import diffs as diffs_lib
-from moddiffy_jax.subnets import selection
-from tests.helpers import tiny
+from tests.helpers import check_run, exported_diffs, tiny
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -25,81 +23,6 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 def finetune_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("finetune")
     return workdir, train.train_and_evaluate(tiny("finetune"), workdir)
-
-
-@pytest.fixture(scope="module")
-def par_run(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("par")
-    return workdir, train.train_and_evaluate(tiny("moddiffy_par"), workdir)
-
-
-def _exported_diffs(workdir):
-    return sorted((workdir / "export" / "diffs").glob("*.safetensors"))
-
-
-def _check_run(workdir, results, method):
-    assert (workdir / "config.json").is_file()
-    assert (workdir / "results.json").is_file()
-    assert json.loads((workdir / "results.json").read_text())["method"] == method
-    assert results["synthetic"] is True
-    lines = (workdir / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(x) for x in lines]
-    assert any("task/loss" in r or "debias/gender/loss" in r for r in records)
-    # Exports get the permissions a plain open() would give (shareable runs).
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in (workdir / "export").rglob("*.safetensors"):
-        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path
-    core, meta = checkpoints.load_params(workdir / "export" / "core.safetensors")
-    assert meta["fingerprint"] == diffs_lib.fingerprint(core)
-    for row in results["composition"].values():
-        for value in row.values():
-            assert 0.0 <= value <= 1.0
-    return core
-
-
-def test_moddiffy_par_exports_exact_budget_diffs(par_run):
-    workdir, results = par_run
-    core = _check_run(workdir, results, "moddiffy_par")
-    files = _exported_diffs(workdir)
-    assert [f.stem for f in files] == ["age", "gender"]
-    assert set(results["composition"]) == {
-        "core",
-        "core+gender",
-        "core+age",
-        "core+gender+age",
-    }
-    config = tiny("moddiffy_par")
-    selected = selection.select_paths(
-        core, config.diff.include, exclude=config.diff.exclude
-    )
-    n = sum(int(np.size(selection.flatten(core)[p])) for p in selected)
-    for f in files:
-        diff = diffs_lib.load_sparse_diff(f, base=core)  # fingerprint checked
-        assert diff.nnz() == round(config.diff.keep * n)
-        assert diff.num_selected() == n
-        assert results["diffs"][f.stem]["nnz"] == diff.nnz()
-    # The diffs really differ from each other and from zero.
-    a, b = (diffs_lib.load_sparse_diff(f) for f in files)
-    assert any(np.any(np.asarray(v) != 0) for v in a.values.values())
-    assert a.indices.keys() == b.indices.keys()
-
-
-def test_exported_diff_composition_matches_results(par_run):
-    """Re-evaluating the exported files reproduces the run's table."""
-    workdir, results = par_run
-    config = tiny("moddiffy_par")
-    ctx = train.build_context(config)
-    core, _ = checkpoints.load_params(workdir / "export" / "core.safetensors")
-    head, _ = checkpoints.load_params(workdir / "export" / "task_head.safetensors")
-    files = {f.stem: f for f in _exported_diffs(workdir)}
-    diffs = [diffs_lib.load_sparse_diff(files[n], base=core) for n in ("gender", "age")]
-    evaluator = train.Evaluator(ctx)
-    params = evaluator.compose(core, diffs)
-    acc = evaluator.task_accuracy(params, head, "dev")
-    assert acc == pytest.approx(
-        results["composition"]["core+gender+age"]["dev_task_acc"]
-    )
 
 
 @pytest.mark.parametrize(
@@ -115,24 +38,24 @@ def test_exported_diff_composition_matches_results(par_run):
 )
 def test_method_runs(method, tmp_path):
     results = train.train_and_evaluate(tiny(method), tmp_path)
-    _check_run(tmp_path, results, method)
+    check_run(tmp_path, results, method)
     task_diff = {"diffprun", "diffprun_debias", "lora"}  # a task diff, no other
     expected = ["task"] if method in task_diff else []
-    assert [f.stem for f in _exported_diffs(tmp_path)] == expected
+    assert [f.stem for f in exported_diffs(tmp_path)] == expected
 
 
 def test_finetune_then_post(finetune_run, tmp_path):
     ft_dir, ft_results = finetune_run
-    _check_run(ft_dir, ft_results, "finetune")
+    check_run(ft_dir, ft_results, "finetune")
     config = tiny("moddiffy_post", **{"method.core_run": str(ft_dir)})
     results = train.train_and_evaluate(config, tmp_path)
-    core = _check_run(tmp_path, results, "moddiffy_post")
+    core = check_run(tmp_path, results, "moddiffy_post")
     # The frozen core is exactly the finetune run's core.
     ft_core, _ = checkpoints.load_params(ft_dir / "export" / "core.safetensors")
     for x, y in zip(jax.tree.leaves(core), jax.tree.leaves(ft_core), strict=True):
         np.testing.assert_array_equal(x, y)
     # Post-hoc diffs load on the finetune core and are refused elsewhere.
-    for f in _exported_diffs(tmp_path):
+    for f in exported_diffs(tmp_path):
         diffs_lib.load_sparse_diff(f, base=ft_core)
         other = jax.tree.map(lambda x: x + 1.0, ft_core)
         with pytest.raises(ValueError, match="fingerprint"):
@@ -490,144 +413,6 @@ def test_post_core_and_head_bit_identical_after_step(finetune_run):
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(frozen), strict=True):
         np.testing.assert_array_equal(x, np.asarray(y))
     assert "task_head" not in state.trainable
-
-
-def _assert_same_exports(full_dir, workdir):
-    for name in ("core.safetensors", "task_head.safetensors"):
-        a, _ = checkpoints.load_params(full_dir / "export" / name)
-        b, _ = checkpoints.load_params(workdir / "export" / name)
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-            np.testing.assert_array_equal(x, y)
-    assert _exported_diffs(full_dir)
-    for f in _exported_diffs(full_dir):
-        a = diffs_lib.load_sparse_diff(f)
-        b = diffs_lib.load_sparse_diff(workdir / "export" / "diffs" / f.name)
-        for p in a.indices:
-            np.testing.assert_array_equal(a.indices[p], b.indices[p])
-            np.testing.assert_array_equal(a.values[p], b.values[p])
-
-
-def test_sigterm_saves_at_the_next_step_and_resumes_exactly(
-    par_run, tmp_path, monkeypatch
-):
-    from moddiffy_jax import parallel
-
-    shard, calls = parallel.shard_batch, []
-
-    def shard_then_signal(batch, mesh):
-        calls.append(1)
-        if len(calls) == 6:  # the preemption notice arrives during step 6
-            os.kill(os.getpid(), signal.SIGTERM)
-        return shard(batch, mesh)
-
-    monkeypatch.setattr(parallel, "shard_batch", shard_then_signal)
-    config = tiny("moddiffy_par", **{"eval.leakage": False})  # exports only
-    with pytest.raises(train.Preempted, match="SIGTERM received.*re-run") as info:
-        train.train_and_evaluate(config, tmp_path)
-    assert info.value.step == 6  # in the fixmask phase (the L0 phase: the
-    # command-line tests stop and resume there)
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler removed
-    ckpt = checkpoints.RunCheckpointer(tmp_path / "checkpoints")
-    assert ckpt.latest_step() == 6
-    ckpt.close()
-    monkeypatch.undo()
-    train.train_and_evaluate(config, tmp_path)
-    _assert_same_exports(par_run[0], tmp_path)
-    steps = [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")]
-    assert steps == sorted(steps)
-
-
-def _wait_for(proc, condition, what, timeout=300.0):
-    """Polls ``condition`` every millisecond while ``proc`` runs."""
-    import time
-
-    end = time.time() + timeout
-    while time.time() < end:
-        if condition():
-            return
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            raise AssertionError(f"run ended before {what}:\n{out}\n{err[-3000:]}")
-        time.sleep(0.001)
-    proc.kill()
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def test_data_parallel_run_equals_the_single_device_run(par_run, two_device_run):
-    """The whole tiny MoDDiffy-par run with the batch split over two devices
-    (command line) against one device (in process): equal to float32
-    rounding (the batch reductions are split differently), same kept
-    entries."""
-    one, two = par_run[0], two_device_run
-    for name in ("core.safetensors", "task_head.safetensors"):
-        a, _ = checkpoints.load_params(one / "export" / name)
-        b, _ = checkpoints.load_params(two / "export" / name)
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
-    for f in _exported_diffs(one):
-        a = diffs_lib.load_sparse_diff(f)
-        b = diffs_lib.load_sparse_diff(two / "export" / "diffs" / f.name)
-        for p in a.indices:
-            np.testing.assert_array_equal(a.indices[p], b.indices[p])
-            np.testing.assert_allclose(a.values[p], b.values[p], rtol=1e-4, atol=1e-5)
-
-
-def test_killed_runs_resume_to_the_uninterrupted_result(two_device_run, tmp_path):
-    """The command line run (two devices), SIGKILLed during an async
-    checkpoint write and during the export; the last resume ends with the
-    uninterrupted run's exports, bit for bit."""
-    import subprocess
-    import sys
-
-    from tests.helpers import TINY_PAR_CLI, cli_env
-
-    workdir = tmp_path / "run"
-    command = [sys.executable, *TINY_PAR_CLI, f"--workdir={workdir}"]
-
-    def start():
-        return subprocess.Popen(
-            command,
-            cwd=REPO,
-            env=cli_env(2),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-
-    def saving():
-        return any(".orbax-checkpoint-tmp" in p.name for p in ckpts.glob("*"))
-
-    ckpts = workdir / "checkpoints"
-    # (SIGTERM through the command line: tests/test_multiprocess.py.)
-    run = start()  # 1. SIGKILL while Orbax writes a checkpoint
-    _wait_for(run, saving, "an async checkpoint write")
-    run.kill()
-    run.communicate()
-    run = start()  # 2. SIGKILL while the export is being written
-    _wait_for(run, lambda: any(workdir.glob(".export-new-*")), "the export")
-    run.kill()
-    run.communicate()
-    assert not (workdir / "results.json").exists()
-    with pytest.raises(FileNotFoundError, match="incomplete|missing"):
-        from moddiffy_jax.eval import composition
-
-        composition.load_artifacts(workdir)
-    run = start()  # 3. to the end
-    out, err = run.communicate(timeout=300)
-    assert run.returncode == 0, err[-3000:]
-    _assert_same_exports(two_device_run, workdir)
-    assert not list(workdir.glob(".export-*"))
-    steps = [json.loads(x)["step"] for x in open(workdir / "metrics.jsonl")]
-    assert steps == sorted(steps)
-
-
-def test_workdir_with_other_run_is_refused(par_run):
-    workdir, _ = par_run
-    before = {p: p.stat().st_mtime_ns for p in workdir.rglob("*") if p.is_file()}
-    with pytest.raises(ValueError, match="different config"):
-        train.train_and_evaluate(tiny("moddiffy_par", seed=1), workdir)
-    after = {p: p.stat().st_mtime_ns for p in workdir.rglob("*") if p.is_file()}
-    assert before == after
 
 
 def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch):
