@@ -33,3 +33,27 @@ def tokenizer():
     return transformers.AutoTokenizer.from_pretrained(
         gt.get_model_path(), local_files_only=True
     )
+
+
+# The longest modules first: with whole modules per worker (pyproject's
+# addopts), a long module collected last would run alone at the end.
+_LONG_MODULES = (
+    "test_par_runs.py",
+    "test_train.py",
+    "test_vision.py",
+    "test_ffw.py",
+    "test_srnets.py",
+    "test_evaluate.py",
+    "test_erasure.py",
+    "test_bad_inputs.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        name = item.path.name
+        return (
+            _LONG_MODULES.index(name) if name in _LONG_MODULES else len(_LONG_MODULES)
+        )
+
+    items.sort(key=rank)  # stable: each module keeps its own order
