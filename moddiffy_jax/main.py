@@ -205,6 +205,16 @@ def format_ffw(results: dict) -> list[str]:
         f"(vanilla: PH0). Stopped: {results.get('stop_reason')} after "
         f"{results.get('num_gate_epochs')} gate epochs."
     )
+    tolerance = results.get("best_task_tolerance", -1.0)
+    if results.get("best_intermediate") is None and results.get("temperature_decays"):
+        if tolerance is not None and tolerance >= 0:
+            lines.append(
+                "No best intermediate: no scored pruning kept the "
+                f"{results.get('gate_val_split', 'validation')} task accuracy "
+                f"within {tolerance:g} of the vanilla model's "
+                f"({results.get('vanilla_val_task_acc', float('nan')):.3f}); "
+                "config.ffw.best_task_tolerance."
+            )
     return lines
 
 

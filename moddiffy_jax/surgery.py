@@ -287,6 +287,12 @@ def _gate_loop(surgeon: Surgeon, saved: dict, meta: dict, ckpt, writer, config) 
         meta["temperature"], meta["tau_best"], meta["tau_num_bad"]
     )
     progress = _progress(config, cfg.max_gate_epochs, meta["epoch"])
+    tolerance = float(cfg.get("best_task_tolerance", -1.0))
+    if tolerance >= 0 and "vanilla_val_task_acc" not in meta:
+        _, vanilla_logits = surgeon.features(surgeon.base, surgeon.splits["gate_val"])
+        meta["vanilla_val_task_acc"] = surgeon.task_report(
+            vanilla_logits, surgeon.splits["gate_val"]
+        )["accuracy"]
     try:
         while not meta["done"] and meta["epoch"] < cfg.max_gate_epochs:
             epoch = meta["epoch"] + 1
@@ -364,11 +370,22 @@ def _gate_loop(surgeon: Surgeon, saved: dict, meta: dict, ckpt, writer, config) 
                 pruned = surgeon.prune(surgeon.base, state.logits)
                 train_p, _ = surgeon.features(pruned, surgeon.splits["gate_train"])
                 fresh, _ = surgeon.fresh_ph(saved["ph0"], train_p, (_TAG_PRUNED, epoch))
-                val_p, _ = surgeon.features(pruned, val_name)
+                val_p, val_p_logits = surgeon.features(pruned, val_name)
                 pl = surgeon.leakage(fresh, val_p, val_name)
                 score = pl["mean_bias_acc"]
+                task_acc = surgeon.task_report(val_p_logits, val_name)["accuracy"]
+                # A pruning that lost the task is no candidate, however little
+                # bias it shows (a one-class net shows none).
+                eligible = (
+                    tolerance < 0
+                    or task_acc >= meta["vanilla_val_task_acc"] - tolerance
+                )
                 record.update(
-                    {"pruned/val_mi": pl["mean_mi"], "pruned/val_bias_acc": score}
+                    {
+                        "pruned/val_mi": pl["mean_mi"],
+                        "pruned/val_bias_acc": score,
+                        "pruned/val_task_acc": task_acc,
+                    }
                 )
                 meta["decays"].append(
                     {
@@ -378,9 +395,13 @@ def _gate_loop(surgeon: Surgeon, saved: dict, meta: dict, ckpt, writer, config) 
                         "val_mi": leak["mean_mi"],
                         "pruned_val_bias_acc": score,
                         "pruned_val_mi": pl["mean_mi"],
+                        "pruned_val_task_acc": task_acc,
+                        "eligible": bool(eligible),
                     }
                 )
-                if meta["best_score"] is None or score < meta["best_score"]:
+                if eligible and (
+                    meta["best_score"] is None or score < meta["best_score"]
+                ):
                     meta["best_score"], meta["best_epoch"] = score, epoch
                     saved["best_logits"] = jax.tree.map(jnp.copy, state.logits)
                 if annealed:
@@ -486,6 +507,9 @@ def _finish(
         ],
         "temperature_decays": meta["decays"],
         "final_temperature": meta["temperature"],
+        "best_task_tolerance": float(cfg.get("best_task_tolerance", -1.0)),
+        "vanilla_val_task_acc": meta.get("vanilla_val_task_acc"),
+        "gate_val_split": surgeon.splits["gate_val"],
     }
     results["vanilla"] = surgeon.evaluate(surgeon.base, ph0, None)
     results["vanilla"]["leakage"]["note"] = "PH0 (trained on the vanilla features)"

@@ -13,7 +13,7 @@ import optax
 import pytest
 import safetensors.numpy
 
-from moddiffy_jax import checkpoints, surgery, train
+from moddiffy_jax import checkpoints, main, surgery, train
 from moddiffy_jax.config_lib import experiment_config
 from moddiffy_jax.methods import ffw
 from moddiffy_jax.objectives.classification import cross_entropy
@@ -398,6 +398,9 @@ FAST = {
     "max_gate_epochs": 6,
     "gate_head": True,
     "lr": 0.05,
+    # The tiny dev split has 16 examples: every pruning loses 2 of the
+    # vanilla model's 9 correct ones, and 0.2 lets them all compete.
+    "best_task_tolerance": 0.2,
 }
 
 
@@ -476,10 +479,20 @@ def test_run_writes_outputs_and_the_diff_is_the_pruning(core_run, ffw_run):
             assert 0.0 <= split["accuracy"] <= 1.0
             assert "gender/unbiased_accuracy" in split
         assert set(entry["leakage"]["mi"]) == {"gender", "age"}
+    # The best intermediate: the lowest validation bias accuracy among the
+    # scored prunings that kept the task (dev accuracy within the tolerance
+    # of the vanilla model's).
+    decays, tolerance = results["temperature_decays"], results["best_task_tolerance"]
+    assert tolerance == 0.2
+    vanilla_dev = results["vanilla"]["eval"]["dev"]["accuracy"]
+    assert results["vanilla_val_task_acc"] == pytest.approx(vanilla_dev)
+    for d in decays:
+        assert d["eligible"] == (d["pruned_val_task_acc"] >= vanilla_dev - tolerance)
     best = results["best_intermediate"]
     assert best["epoch"] in (2, 3)
+    assert sum(d["eligible"] for d in decays) == 2
     assert best["score_val_bias_acc"] == min(
-        d["pruned_val_bias_acc"] for d in results["temperature_decays"]
+        d["pruned_val_bias_acc"] for d in decays if d["eligible"]
     )
     best_dir = export / "ffw_best_intermediate"
     best_diff = diffs_lib.load_sparse_diff(
@@ -496,6 +509,26 @@ def test_run_writes_outputs_and_the_diff_is_the_pruning(core_run, ffw_run):
     )
     # Only the final diff sits in export/diffs (evaluate_run composes those).
     assert sorted(p.name for p in (export / "diffs").iterdir()) == ["ffw.safetensors"]
+
+
+def test_best_intermediate_must_keep_the_task(core_run, ffw_run, tmp_path):
+    """At the default tolerance (2 points of dev accuracy) no pruning of the
+    tiny run qualifies (each loses 12.5 points): no best intermediate is
+    exported, and the report says why, where the reference would pick one."""
+    _, loose = ffw_run
+    config = ffw_config(core_run, best_task_tolerance=0.02)
+    results = surgery.run_ffw(config, tmp_path)
+    vanilla_dev = results["vanilla_val_task_acc"]
+    decays = results["temperature_decays"]
+    assert [d["pruned_val_task_acc"] for d in decays] == [
+        d["pruned_val_task_acc"] for d in loose["temperature_decays"]
+    ]
+    assert all(d["pruned_val_task_acc"] < vanilla_dev - 0.02 for d in decays)
+    assert not any(d["eligible"] for d in decays)
+    assert results["best_intermediate"] is None
+    assert not (tmp_path / "export" / "ffw_best_intermediate").exists()
+    text = "\n".join(main.format_ffw(results))
+    assert "no scored pruning kept the dev task accuracy within 0.02" in text
 
 
 def test_resume_equals_uninterrupted(core_run, ffw_run, tmp_path):

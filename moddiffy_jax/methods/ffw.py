@@ -29,7 +29,9 @@ Pipeline (spec B6.1)::
       d. if T changed: hard-prune a copy (m >= 0), train a fresh copy of PH0
          on it to a plateau; keep the gates with the lowest validation bias
          accuracy ("best intermediate"); stop if T < tau_min, else refine
-         the PH at the new T
+         the PH at the new T; only prunings within
+         ``best_task_tolerance`` of the vanilla validation task accuracy
+         compete (not in the reference)
       e. Orbax checkpoint, metrics.jsonl line
     evaluate vanilla, final and best-intermediate gates (fresh PH each);
     export the prunings as SparseDiffs on the vanilla core.
@@ -156,6 +158,11 @@ def default_ffw_config(kind: str = "text") -> ml_collections.ConfigDict:
     c.anneal_epochs = 20
     c.hold_epochs = 2
     c.max_gate_epochs = 200
+    # The best-intermediate choice (the scored pruning with the lowest
+    # validation bias accuracy) only among prunings whose validation task
+    # accuracy is at most this far below the vanilla model's; < 0: any
+    # pruning (the reference, which can pick a net that predicts one class).
+    c.best_task_tolerance = 0.02
     # Bias extractor (PH): SGD with coupled L2, trained to a plateau.
     c.ph_lr = 0.1
     c.ph_momentum = 0.9
