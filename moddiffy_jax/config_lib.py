@@ -109,6 +109,13 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.optim.b2 = 0.999
     c.optim.eps = 1e-8
     c.optim.clip_norm = 1.0
+    # Per phase: "constant" | "linear" | "cosine" after a linear warm-up of
+    # warmup_steps updates (the gates' lr_log_alpha stays constant), and
+    # gradient accumulation over `accumulate` micro-batches (each train step
+    # is one micro-batch; an update every `accumulate` steps).
+    c.optim.schedule = "constant"
+    c.optim.warmup_steps = 0
+    c.optim.accumulate = 1
 
     c.train = ml_collections.ConfigDict()
     c.train.batch_size = 64

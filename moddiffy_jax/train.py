@@ -154,6 +154,10 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
 
     wall_start = time.time()
     best_lib.check_select(config)
+    common.check_optim(
+        config.optim,
+        {p: method.phase_steps(config, p) for p in method.phases_of(config)},
+    )
     ctx = build_context(config)
     rng = jax.random.PRNGKey(config.seed)
     init_rng, step_rng = jax.random.split(rng)
@@ -203,7 +207,11 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     try:
         for pi in range(phase_index, len(phases)):
             phase = phases[pi]
-            substeps = method.substeps(ctx, phase, trainable)
+            substeps = common.schedule_substeps(
+                method.substeps(ctx, phase, trainable),
+                config.optim,
+                method.phase_steps(config, phase),
+            )
             state = common.TrainState(
                 step=jnp.asarray(global_step, jnp.int32),
                 trainable=trainable,

@@ -203,6 +203,101 @@ def make_optimizer(optim: Mapping[str, Any]) -> optax.GradientTransformation:
     return optax.chain(*chain)
 
 
+# Learning-rate schedules and gradient accumulation (``config.optim``):
+# ``schedule`` ("constant" | "linear" | "cosine"), ``warmup_steps`` and
+# ``accumulate``, applied per phase (every phase starts fresh optimizers).
+
+SCHEDULES = ("constant", "linear", "cosine")
+# Roles whose learning rate stays constant under a schedule: the diff
+# pruning reference decays the diff's learning rate, never the gates'.
+UNSCHEDULED_ROLES = ("log_alpha",)
+
+
+def lr_factor(schedule: str, warmup_steps: int, total_steps: int) -> optax.Schedule:
+    """The learning-rate multiplier at update ``count`` (0 for the first).
+
+    Linear warm-up from 0 over ``warmup_steps`` updates, then constant,
+    linear to 0, or half a cosine to 0 at ``total_steps``: the factors of
+    transformers' ``get_{constant,linear,cosine}_schedule_with_warmup``
+    (the first update of a warm-up has factor 0, as there).
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"config.optim.schedule={schedule!r}; use one of {SCHEDULES}.")
+    warmup, total = int(warmup_steps), int(total_steps)
+
+    def factor(count):
+        c = jnp.asarray(count, jnp.float32)
+        warm = c / max(warmup, 1)
+        rest = jnp.clip((c - warmup) / max(total - warmup, 1), 0.0, 1.0)
+        if schedule == "linear":
+            after = 1.0 - rest
+        elif schedule == "cosine":
+            after = 0.5 * (1.0 + jnp.cos(jnp.pi * rest))
+        else:
+            after = jnp.ones_like(rest)
+        return jnp.where(c < warmup, warm, after)
+
+    return factor
+
+
+def check_optim(optim: Mapping[str, Any], phase_steps: Mapping[str, int]) -> None:
+    """Raises ValueError naming the field and the fix for a bad schedule or
+    accumulation setting; ``phase_steps``: each phase's steps (micro-batches)."""
+    schedule = optim.get("schedule", "constant")
+    if schedule not in SCHEDULES:
+        raise ValueError(
+            f"config.optim.schedule={schedule!r}; use one of {list(SCHEDULES)}."
+        )
+    k, warmup = int(optim.get("accumulate", 1)), int(optim.get("warmup_steps", 0))
+    if k < 1:
+        raise ValueError(f"config.optim.accumulate must be >= 1, got {k}.")
+    if warmup < 0:
+        raise ValueError(f"config.optim.warmup_steps must be >= 0, got {warmup}.")
+    for phase, n in phase_steps.items():
+        if n % k:
+            raise ValueError(
+                f"phase {phase!r} has {n} steps, not a multiple of "
+                f"config.optim.accumulate={k}: the last {n % k} micro-batches "
+                "would never update. Make the step counts multiples of it."
+            )
+        if warmup and warmup >= n // k:
+            raise ValueError(
+                f"config.optim.warmup_steps={warmup} leaves no update after the "
+                f"warm-up in phase {phase!r} ({n // k} updates: {n} steps / "
+                f"accumulate {k}); warm-up counts updates, not micro-batches."
+            )
+
+
+def schedule_substeps(
+    substeps: Sequence[SubStep], optim: Mapping[str, Any], phase_steps: int
+) -> list[SubStep]:
+    """``substeps`` with ``config.optim``'s schedule and accumulation.
+
+    The schedule multiplies the whole AdamW update of every role but
+    :data:`UNSCHEDULED_ROLES`, which is exactly AdamW with a scheduled
+    learning rate (optax scales the decoupled weight decay by it too). With
+    ``accumulate = k`` (optax.MultiSteps) the optimizer sees the mean gradient
+    of k micro-batches, clipped as one, and updates once every k steps;
+    between updates the parameters stay put. Warm-up and decay count updates:
+    ``phase_steps / k`` of them. With the defaults (constant, no warm-up,
+    k = 1) the sub-steps are returned unchanged.
+    """
+    schedule = optim.get("schedule", "constant")
+    k, warmup = int(optim.get("accumulate", 1)), int(optim.get("warmup_steps", 0))
+    if schedule == "constant" and not warmup and k == 1:
+        return list(substeps)
+    factor = lr_factor(schedule, warmup, phase_steps // k)
+    scaled = {role: optax.scale_by_schedule(factor) for role in ROLES}
+    scaled.update({role: optax.identity() for role in UNSCHEDULED_ROLES})
+    out = []
+    for sub in substeps:
+        opt = optax.chain(sub.optimizer, optax.partition(scaled, role_labels))
+        if k > 1:
+            opt = optax.MultiSteps(opt, every_k_schedule=k)
+        out.append(dataclasses.replace(sub, optimizer=opt))
+    return out
+
+
 # --------------------------------------------------------------------------
 # Encoder parameters of a configuration.
 

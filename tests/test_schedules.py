@@ -1,0 +1,203 @@
+"""Learning-rate schedules with warm-up and gradient accumulation
+(config.optim.schedule / warmup_steps / accumulate): the factors equal
+transformers' schedules, a scheduled sub-step equals AdamW with that
+learning rate, k micro-batches equal one batch k times larger, and a run
+preempted between two micro-batches resumes to the uninterrupted result."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from moddiffy_jax import checkpoints, train
+from moddiffy_jax.config_lib import experiment_config
+from moddiffy_jax.methods import common
+from moddiffy_jax.workdir import Preempted
+
+
+def _hf_factor(schedule, step, warmup, total):
+    """transformers' get_*_schedule_with_warmup lr_lambda, written out."""
+    if step < warmup:
+        return step / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    if schedule == "linear":
+        return max(0.0, 1.0 - progress)
+    if schedule == "cosine":
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))))
+    return 1.0
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_factors_are_the_transformers_schedules(schedule, warmup):
+    factor = jax.jit(common.lr_factor(schedule, warmup, 10))
+    got = [float(factor(c)) for c in range(12)]
+    want = [_hf_factor(schedule, c, warmup, 10) for c in range(12)]
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+OPTIM = {
+    "lr_encoder": 0.1,
+    "wd_encoder": 0.01,
+    "lr_log_alpha": 0.05,
+    "wd_log_alpha": 0.0,
+    **{f"lr_{r}": 0.0 for r in ("adapter", "diff", "heads", "adversary", "scores")},
+    **{f"wd_{r}": 0.0 for r in ("adapter", "diff", "heads", "adversary", "scores")},
+    "b1": 0.9,
+    "b2": 0.999,
+    "eps": 1e-8,
+    "clip_norm": 0.0,
+}
+
+
+def _toy(x, y):
+    """A linear model's squared error (core/w) plus a separate pull on a
+    gate logit (diffs/g/log_alpha): one sub-step training both."""
+    trainable = {
+        "core": {"w": jnp.asarray([0.5, -0.3, 0.2])},
+        # (a diff's values too: every role rule must match something)
+        "diffs": {"g": {"log_alpha": jnp.asarray([1.0, 2.0]), "d": jnp.zeros(2)}},
+    }
+
+    def loss(full, frozen, batch, rng):
+        err = batch["x"] @ full["core"]["w"] - batch["y"]
+        pull = jnp.sum((full["diffs"]["g"]["log_alpha"] - 3.0) ** 2)
+        return jnp.mean(err**2) + pull, {}
+
+    batch = {"x": jnp.asarray(x, jnp.float32), "y": jnp.asarray(y, jnp.float32)}
+    return trainable, loss, batch
+
+
+def _run(substeps, trainable, batches):
+    step = jax.jit(common.make_train_step(substeps))
+    state = common.TrainState(
+        step=jnp.zeros((), jnp.int32),
+        trainable=trainable,
+        opt_states=common.init_opt_states(substeps, trainable),
+    )
+    seen = []
+    for batch in batches:
+        state, _ = step(state, {}, batch, jax.random.PRNGKey(0))
+        seen.append(jax.tree.map(np.asarray, state.trainable))
+    return seen
+
+
+def test_a_scheduled_substep_is_adamw_with_the_scheduled_rate():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 3)), rng.normal(size=8)
+    trainable, loss, batch = _toy(x, y)
+    optim = {**OPTIM, "schedule": "linear", "warmup_steps": 2}
+    sub = common.SubStep(
+        "task", (("core",), ("diffs",)), loss, common.make_optimizer(optim)
+    )
+    (sub,) = common.schedule_substeps([sub], optim, 6)
+    got = _run([sub], trainable, [batch] * 6)[-1]
+
+    # By hand: AdamW on w with lr 0.1 * factor(count), constant AdamW on the gate.
+    factor = common.lr_factor("linear", 2, 6)
+    w_opt = optax.adamw(lambda c: 0.1 * factor(c), weight_decay=0.01)
+    g_opt = optax.adamw(0.05, weight_decay=0.0)
+    w, g = trainable["core"]["w"], trainable["diffs"]["g"]["log_alpha"]
+    ws, gs = w_opt.init(w), g_opt.init(g)
+    for _ in range(6):
+        full = {"core": {"w": w}, "diffs": {"g": {"log_alpha": g, "d": jnp.zeros(2)}}}
+        grads = jax.grad(lambda t: loss(t, {}, batch, None)[0])(full)
+        u, ws = w_opt.update(grads["core"]["w"], ws, w)
+        w = optax.apply_updates(w, u)
+        u, gs = g_opt.update(grads["diffs"]["g"]["log_alpha"], gs, g)
+        g = optax.apply_updates(g, u)
+    np.testing.assert_allclose(got["core"]["w"], w, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got["diffs"]["g"]["log_alpha"], g, rtol=1e-5)
+    # The warm-up's first update is zero, as in transformers: w moved only
+    # from the second step on, the (unscheduled) gate from the first.
+    first = _run([sub], trainable, [batch])[0]
+    np.testing.assert_array_equal(first["core"]["w"], trainable["core"]["w"])
+    assert not np.array_equal(
+        first["diffs"]["g"]["log_alpha"], trainable["diffs"]["g"]["log_alpha"]
+    )
+
+
+def test_k_micro_batches_equal_one_batch_k_times_larger():
+    """Clipped as one: the clip sees the mean gradient of the two halves."""
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(8, 3)), 3.0 * rng.normal(size=8)
+    trainable, loss, big = _toy(x, y)
+    halves = [{k: v[:4] for k, v in big.items()}, {k: v[4:] for k, v in big.items()}]
+    optim = {**OPTIM, "clip_norm": 0.5}
+    sub = common.SubStep(
+        "task", (("core",), ("diffs",)), loss, common.make_optimizer(optim)
+    )
+    (one,) = common.schedule_substeps([sub], optim, 2)
+    (two,) = common.schedule_substeps([sub], {**optim, "accumulate": 2}, 4)
+    want = _run([one], trainable, [big, big])
+    got = _run([two], trainable, halves * 2)
+    # Between updates the parameters stay put.
+    for leaf_got, leaf_start in zip(
+        jax.tree.leaves(got[0]), jax.tree.leaves(trainable), strict=True
+    ):
+        np.testing.assert_array_equal(leaf_got, leaf_start)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[0]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(got[3]), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_defaults_leave_the_optimizer_unchanged():
+    sub = common.SubStep("task", (("core",),), None, common.make_optimizer(OPTIM))
+    assert common.schedule_substeps([sub], OPTIM, 10)[0] is sub
+
+
+@pytest.mark.parametrize(
+    "optim, steps, match",
+    [
+        ({"schedule": "step"}, {"train": 8}, "optim.schedule='step'"),
+        ({"accumulate": 0}, {"train": 8}, "accumulate must be >= 1"),
+        ({"accumulate": 3}, {"l0": 9, "fixmask": 4}, "'fixmask' has 4 steps"),
+        ({"warmup_steps": -1}, {"train": 8}, "warmup_steps must be >= 0"),
+        ({"warmup_steps": 4, "accumulate": 2}, {"train": 8}, "no update after"),
+    ],
+)
+def test_bad_settings_name_the_field_and_the_fix(optim, steps, match):
+    with pytest.raises(ValueError, match=match):
+        common.check_optim(optim, steps)
+
+
+def _config(**train_overrides):
+    config = experiment_config("finetune", "model=tiny")
+    with config.unlocked():
+        config.optim.schedule = "linear"
+        config.optim.warmup_steps = 1
+        config.optim.accumulate = 2
+        config.train.checkpoint_every = 3  # between the two micro-batches
+        config.eval.leakage = False
+        config.train.update(train_overrides)
+    return config
+
+
+def test_a_run_preempted_mid_accumulation_resumes_exactly(tmp_path):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    train.train_and_evaluate(_config(), full)
+    with pytest.raises(Preempted):
+        train.train_and_evaluate(_config(stop_at_step=3), resumed)
+    train.train_and_evaluate(_config(), resumed)
+    for name in ("core.safetensors", "task_head.safetensors"):
+        a, _ = checkpoints.load_params(full / "export" / name)
+        b, _ = checkpoints.load_params(resumed / "export" / name)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            np.testing.assert_array_equal(x, y)
+    # The accumulation was in the loop: without it the same six batches
+    # give other weights.
+    plain = tmp_path / "plain"
+    config = _config()
+    with config.unlocked():
+        config.optim.accumulate = 1
+    train.train_and_evaluate(config, plain)
+    a, _ = checkpoints.load_params(full / "export" / "task_head.safetensors")
+    b, _ = checkpoints.load_params(plain / "export" / "task_head.safetensors")
+    assert any(
+        not np.array_equal(x, y)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
