@@ -291,3 +291,72 @@ def test_two_processes_equal_one_process_on_two_devices(two_device_run, tmp_path
     r1 = json.loads((one / "results.json").read_text())
     r2 = json.loads((two / "results.json").read_text())
     assert r1["composition"] == r2["composition"]
+
+
+def test_hugging_face_export_round_trip(par_run, tmp_path):
+    """core + 1.0 gender + 0.5 age written as a BERT directory reads back
+    through our loader as exactly the composed encoder, with the run's
+    tokenizer and task head beside it."""
+    import safetensors.numpy
+
+    from moddiffy_jax import hf_export
+    from moddiffy_jax.models import bert_files
+
+    workdir, _ = par_run
+    out = tmp_path / "hf"
+    hf_export.export_hf(workdir, out, {"gender": 1.0, "age": 0.5})
+    core, _ = checkpoints.load_params(workdir / "export" / "core.safetensors")
+    files = {f.stem: f for f in exported_diffs(workdir)}
+    d = [diffs_lib.load_sparse_diff(files[n], base=core) for n in ("age", "gender")]
+    want = diffs_lib.apply_diffs(core, d, [0.5, 1.0])
+    config, got = bert_files.load_pretrained(out)
+    assert config.num_hidden_layers == 2 and config.hidden_size == 32
+    flat_got, flat_want = selection.flatten(got), selection.flatten(want)
+    assert flat_got.keys() == flat_want.keys()
+    for p in flat_want:
+        np.testing.assert_array_equal(np.asarray(flat_got[p]), np.asarray(flat_want[p]))
+    tensors = safetensors.numpy.load_file(str(out / "model.safetensors"))
+    q = tensors["encoder.layer.0.attention.self.query.weight"]
+    np.testing.assert_array_equal(
+        q, np.asarray(flat_want["encoder/layer_0/attention/self/query/kernel"]).T
+    )
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "bert" and cfg["architectures"] == ["BertModel"]
+    assert bert_files.load_tokenizer(out)("a test")["input_ids"][0] == 101
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+    for f in out.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f
+    info = json.loads((out / "moddiffy.json").read_text())
+    assert info["diffs"] == {"age": 0.5, "gender": 1.0}
+    assert info["encoder_fingerprint"] == diffs_lib.fingerprint(want)
+    head, _ = checkpoints.load_params(out / hf_export.HEAD_FILE)
+    run_head, _ = checkpoints.load_params(workdir / "export" / "task_head.safetensors")
+    for x, y in zip(jax.tree.leaves(head), jax.tree.leaves(run_head), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_hugging_face_export_refuses_bad_requests(par_run, tmp_path, capsys):
+    from moddiffy_jax import hf_export
+
+    workdir, _ = par_run
+    out = tmp_path / "hf"
+    args = [f"--workdir={workdir}", f"--out={out}"]
+    assert hf_export.main([*args, "--diff=race"]) == 2
+    assert (
+        "has no diff ['race']; its diffs: ['age', 'gender']" in capsys.readouterr().err
+    )
+    assert hf_export.main([*args, "--diff=age=half"]) == 2
+    assert "'half' is not a number" in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob(".hf-new-*"))
+    assert hf_export.main(args) == 0  # the core alone
+    before = (out / "model.safetensors").read_bytes()
+    assert hf_export.main([*args, "--diff=gender"]) == 2
+    assert (
+        "exists; choose a new directory or pass --overwrite" in capsys.readouterr().err
+    )
+    assert (out / "model.safetensors").read_bytes() == before  # untouched
+    assert hf_export.main([*args, "--diff=gender", "--overwrite"]) == 0
+    assert (out / "model.safetensors").read_bytes() != before
+    assert json.loads((out / "moddiffy.json").read_text())["diffs"] == {"gender": 1.0}
