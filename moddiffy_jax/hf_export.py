@@ -1,8 +1,8 @@
 r"""``python -m moddiffy_jax.hf_export``: a run's core plus chosen diffs as a
 standard Hugging Face BERT directory.
 
-The directory holds ``config.json`` (``model_type`` "bert",
-``architectures`` ["BertModel"]), ``model.safetensors`` in transformers'
+The directory holds ``config.json`` (``architectures`` ["BertModel"], or
+["RobertaModel"] for a RoBERTa base), ``model.safetensors`` in transformers'
 tensor names (torch layout: Linear weights are (out, in)), the tokenizer
 files of the run's tokenizer, and two files of ours: the task head
 (``moddiffy_task_head.safetensors``, our names) and ``moddiffy.json`` (the
@@ -58,8 +58,9 @@ HEAD_FILE = "moddiffy_task_head.safetensors"
 INFO_FILE = "moddiffy.json"
 
 
-def hf_state_dict(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """Our BERT encoder params as transformers ``BertModel`` tensors.
+def hf_state_dict(params: Mapping[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
+    """Our BERT encoder params as transformers ``BertModel`` tensors (names
+    after ``prefix``, e.g. "bert.").
 
     The inverse of :func:`moddiffy_jax.models.bert_files.convert_hf_state_dict`:
     ``layer_N`` -> ``layer.N``, ``kernel`` -> ``weight`` (transposed),
@@ -88,7 +89,7 @@ def hf_state_dict(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
             name, array = "weight", array.T
         elif name in ("scale", "embedding"):
             name = "weight"
-        out[".".join([*module, name])] = np.ascontiguousarray(array)
+        out[prefix + ".".join([*module, name])] = np.ascontiguousarray(array)
     return out
 
 
@@ -103,11 +104,8 @@ def hf_config(bert_config: Any, base: Mapping[str, Any] | None = None) -> dict:
             if f.name != "adapter_reduction_factor"
         }
     )
-    d.update(
-        model_type="bert",
-        architectures=["BertModel"],
-        position_embedding_type="absolute",
-    )
+    arch = "BertModel" if bert_config.model_type == "bert" else "RobertaModel"
+    d.update(architectures=[arch], position_embedding_type="absolute")
     return d
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import json
 import pathlib
 import pickle
@@ -51,17 +52,9 @@ def tiny_batch(config, batch=3, length=12, seed=0):
 
 def to_torch_layout(params, prefix=""):
     """Inverse of the loader: our params -> HF tensor names, torch layout."""
-    out = {}
-    for path, leaf in bert._flatten(params).items():
-        *mods, leaf_name = path.split("/")
-        mods = [m.replace("layer_", "layer.") for m in mods]
-        leaf = np.asarray(leaf)
-        if leaf_name == "kernel":
-            leaf_name, leaf = "weight", leaf.T
-        elif leaf_name in ("embedding", "scale"):
-            leaf_name = "weight"
-        out[prefix + ".".join([*mods, leaf_name])] = np.ascontiguousarray(leaf)
-    return out
+    from moddiffy_jax.hf_export import hf_state_dict
+
+    return hf_state_dict(params, prefix)
 
 
 def write_checkpoint(directory, config, tensors):
@@ -100,6 +93,39 @@ def test_minilm_parity_with_hf_torch(minilm):
     print(f"MiniLM parity: max|diff| hidden={max_diff:.3g} pooler={pool_diff:.3g}")
     assert max_diff <= 1e-4, max_diff
     assert pool_diff <= 1e-4, pool_diff
+
+
+ROBERTA = pathlib.Path(__file__).parent / "fixtures" / "tiny_roberta"
+
+
+def test_roberta_parity_with_hf_torch():
+    """A tiny random RoBERTa checkpoint (scripts/make_roberta_fixture.py):
+    positions counted from pad_token_id + 1 over the real tokens, one token
+    type; rows of different lengths, padded."""
+    config, params = bert.load_pretrained(ROBERTA)
+    assert config.model_type == "roberta" and config.padding_positions
+    assert config.max_length == 46 - 2
+    data = np.load(ROBERTA / "parity.npz")
+    out = encode(config, params, {k: data[k] for k in INPUT_KEYS[:2]})
+    real = data["attention_mask"].astype(bool)
+    diff = np.abs(np.asarray(out.last_hidden_state) - data["last_hidden_state"])
+    pool = np.abs(np.asarray(out.pooler_output) - data["pooler_output"]).max()
+    print(f"RoBERTa parity: max|diff| hidden={diff[real].max():.3g} pooler={pool:.3g}")
+    assert diff[real].max() <= 1e-4 and pool <= 1e-4
+    # The BERT position rule (0, 1, 2, ...) is not what the checkpoint means.
+    as_bert = dataclasses.replace(config, model_type="bert")
+    wrong = encode(as_bert, params, {k: data[k] for k in INPUT_KEYS[:2]})
+    wrong_diff = np.abs(np.asarray(wrong.last_hidden_state) - data["last_hidden_state"])
+    assert wrong_diff[real].max() > 1e-2
+    with pytest.raises(ValueError, match="exceeds the 44 positions"):
+        encode(
+            config,
+            params,
+            {
+                "input_ids": np.ones((1, 45), np.int32),
+                "attention_mask": np.ones((1, 45), np.int32),
+            },
+        )
 
 
 def test_tokenizer_matches_fixture_ids():
@@ -388,3 +414,7 @@ def test_config_from_hf_dict():
         bert.BertConfig.from_hf_dict({**d, "position_embedding_type": "relative_key"})
     with pytest.raises(ValueError, match="missing required"):
         bert.BertConfig.from_hf_dict({"hidden_size": 8})
+    with pytest.raises(ValueError, match="model_type='gpt2' is not supported"):
+        bert.BertConfig.from_hf_dict({**d, "model_type": "gpt2"})
+    roberta = bert.BertConfig.from_hf_dict({**d, "model_type": "roberta"})
+    assert roberta.padding_positions and roberta.max_length == 64 - 1

@@ -102,6 +102,7 @@ def load_tokenizer(model_dir: str | os.PathLike | None = None):
 # Checkpoint tensors that are not part of the encoder and are skipped silently.
 _IGNORED_TENSORS = (
     re.compile(r"cls\..*"),  # MLM / NSP heads
+    re.compile(r"lm_head\..*"),  # RoBERTa's MLM head
     re.compile(r".*position_ids"),  # buffers
 )
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -182,7 +183,7 @@ def convert_hf_state_dict(
 ) -> dict[str, Any]:
     """Converts HF ``BertModel`` tensors (torch layout) to our params tree.
 
-    Accepts names with or without a ``bert.`` prefix, legacy LayerNorm
+    Accepts names with or without a ``bert.`` (or ``roberta.``) prefix, legacy LayerNorm
     ``gamma``/``beta`` names, and skips ``cls.*`` heads and ``position_ids``
     buffers. Adapter params are not expected (they are not in HF checkpoints).
 
@@ -205,7 +206,7 @@ def convert_hf_state_dict(
     filled_by: dict[str, str] = {}  # flax path -> checkpoint name
     unexpected, mismatched, duplicated, ignored = [], [], [], []
     for name, value in tensors.items():
-        stripped = name.removeprefix("bert.")
+        stripped = name.removeprefix("bert.").removeprefix("roberta.")
         if any(p.fullmatch(stripped) for p in _IGNORED_TENSORS):
             ignored.append(name)
             continue

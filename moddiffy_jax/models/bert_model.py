@@ -63,6 +63,10 @@ _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 # --------------------------------------------------------------------------
 
 
+# Encoders with this architecture (BERT, and RoBERTa's position rule).
+MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
+
+
 @dataclasses.dataclass(frozen=True)
 class BertConfig:
     """Hyperparameters of a BERT encoder (names follow Hugging Face).
@@ -87,6 +91,10 @@ class BertConfig:
       adapter_reduction_factor: If > 0, every layer gets a Pfeiffer bottleneck
         adapter of width ``hidden_size // adapter_reduction_factor``;
         0 means no adapters.
+      model_type: ``"bert"``, or ``"roberta"`` / ``"xlm-roberta"`` (the same
+        encoder, with positions counted from ``pad_token_id + 1`` over the
+        non-padding tokens, as transformers' RobertaEmbeddings does;
+        RoBERTa checkpoints have one token type).
     """
 
     vocab_size: int
@@ -103,8 +111,14 @@ class BertConfig:
     pad_token_id: int = 0
     initializer_range: float = 0.02
     adapter_reduction_factor: int = 0
+    model_type: str = "bert"
 
     def __post_init__(self):
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"model_type={self.model_type!r} is not supported; supported: "
+                f"{list(MODEL_TYPES)}."
+            )
         if self.hidden_act not in _ACTIVATIONS:
             raise ValueError(
                 f"Unsupported hidden_act {self.hidden_act!r}; supported: "
@@ -123,6 +137,18 @@ class BertConfig:
             )
 
     @property
+    def padding_positions(self) -> bool:
+        """Positions from ``pad_token_id + 1`` over non-padding tokens (RoBERTa)."""
+        return self.model_type != "bert"
+
+    @property
+    def max_length(self) -> int:
+        """The longest sequence the position table covers."""
+        if self.padding_positions:
+            return self.max_position_embeddings - self.pad_token_id - 1
+        return self.max_position_embeddings
+
+    @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
@@ -137,7 +163,7 @@ class BertConfig:
         """Builds a config from a Hugging Face ``config.json`` dict.
 
         Unknown keys are ignored. A ``position_embedding_type`` other than
-        ``"absolute"`` and a ``model_type`` other than ``"bert"`` are refused,
+        ``"absolute"`` and a ``model_type`` outside :data:`MODEL_TYPES` are refused,
         since this module does not implement them.
 
         Args:
@@ -155,8 +181,11 @@ class BertConfig:
                 "(only 'absolute')."
             )
         model_type = d.get("model_type", "bert")
-        if model_type != "bert":
-            raise ValueError(f"model_type={model_type!r} is not supported ('bert').")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"model_type={model_type!r} is not supported; supported: "
+                f"{list(MODEL_TYPES)}."
+            )
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(overrides) - names
         if unknown:
@@ -285,7 +314,11 @@ class BertEmbeddings(nn.Module):
             )
 
         seq_len = input_ids.shape[-1]
-        positions = jnp.arange(seq_len, dtype=jnp.int32)[None, :]
+        if cfg.padding_positions:
+            real = (input_ids != cfg.pad_token_id).astype(jnp.int32)
+            positions = jnp.cumsum(real, axis=-1) * real + cfg.pad_token_id
+        else:
+            positions = jnp.arange(seq_len, dtype=jnp.int32)[None, :]
         x = _RowEmbed(
             cfg.vocab_size,
             cfg.hidden_size,
@@ -510,10 +543,11 @@ class BertEncoder(nn.Module):
         cfg = self.config
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [B, L], got {input_ids.shape}.")
-        if input_ids.shape[1] > cfg.max_position_embeddings:
+        if input_ids.shape[1] > cfg.max_length:
             raise ValueError(
-                f"Sequence length {input_ids.shape[1]} exceeds "
-                f"max_position_embeddings={cfg.max_position_embeddings}."
+                f"Sequence length {input_ids.shape[1]} exceeds the "
+                f"{cfg.max_length} positions of max_position_embeddings="
+                f"{cfg.max_position_embeddings} ({cfg.model_type})."
             )
         if attention_mask.shape != input_ids.shape:
             raise ValueError(
