@@ -128,6 +128,30 @@ def test_roberta_parity_with_hf_torch():
         )
 
 
+def test_hub_name_from_the_local_cache(tmp_path, monkeypatch):
+    """A Hub name already in the Hugging Face cache loads from its snapshot
+    (the cache layout huggingface_hub writes); nothing is downloaded, and a
+    name that is not cached is one clear error."""
+    import shutil
+
+    repo = tmp_path / "hub" / "models--acme--tiny-roberta"
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(ROBERTA / name, snap / name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert bert.resolve_model_dir("acme/tiny-roberta") == snap
+    config, params = bert.load_pretrained("acme/tiny-roberta")
+    want_config, want = bert.load_pretrained(ROBERTA)
+    assert config == want_config
+    chex.assert_trees_all_equal(params, want)
+    with pytest.raises(FileNotFoundError, match="no Hub model of that name"):
+        bert.resolve_model_dir("acme/absent")
+
+
 def test_tokenizer_matches_fixture_ids():
     data = np.load(FIXTURE)
     tokenizer = bert.load_tokenizer()

