@@ -8,7 +8,10 @@ Run (from the repository root)::
 Arguments after ":" are comma-separated key=value pairs: data=synthetic|dwmw17
 (synthetic is generated in code; dwmw17 reads
 ../shared/data/dwmw17_dialect by path), model=minilm|tiny,
-objective=mmd|adversarial (default mmd). Any field can be overridden with
+objective=mmd|adversarial (default mmd), scale=cpu|paper (paper: the
+paper's 15 + 15 epochs at batch 64 and lr 2e-5, for accelerators, e.g.
+configs/moddiffy_par.py:data=dwmw17,scale=paper --config.model.dir=DIR with
+a BERT-base directory or cached Hub name). Any field can be overridden with
 --config.<field>=<value>; the config is locked, so a misspelled field fails.
 Measured (2-core CPU, 2026-11-24, stop 14; scikit-learn probes of the
 standardized representations; BENCHMARKS.md, docs/efficacy.md): over

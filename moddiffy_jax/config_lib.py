@@ -11,6 +11,8 @@ override fails instead of being ignored.
 
 from __future__ import annotations
 
+import math
+
 import ml_collections
 
 from moddiffy_jax.data import default_data_config
@@ -29,6 +31,9 @@ _ARG_KEYS = {
     "loss": ("ce", "poe", "reweighting", "conf_reg"),
     # SRNets per-matrix sparsity (the reference scripts' grid).
     "sparsity": ("0.2", "0.5", "0.7", "0.9"),
+    # cpu: short runs sized for a 2-core CPU; paper: the papers' epochs,
+    # batch and learning rates, for accelerators (set_paper_scale).
+    "scale": ("cpu", "paper"),
 }
 _ARG_DEFAULTS = {
     "data": "synthetic",
@@ -36,6 +41,7 @@ _ARG_DEFAULTS = {
     "objective": "mmd",
     "loss": "ce",
     "sparsity": "0.5",
+    "scale": "cpu",
 }
 
 
@@ -122,6 +128,12 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.train.num_steps = 300  # single-phase methods.
     c.train.l0_steps = 200  # diff methods: L0 phase ...
     c.train.fixmask_steps = 100  # ... then fixmask phase.
+    # > 0: the phase lengths in epochs of the training split (train.batch_size
+    # examples per step, rounded up to a multiple of optim.accumulate), in
+    # place of the step counts above; resolved when the data is read.
+    c.train.epochs = 0.0  # single-phase methods
+    c.train.l0_epochs = 0.0
+    c.train.fixmask_epochs = 0.0
     c.train.log_every = 10
     c.train.eval_every = 0  # 0: only at the end of each phase.
     # "last": export the state after the last step; "best_dev": the state of
@@ -263,6 +275,65 @@ def size_for_cpu(c: ml_collections.ConfigDict, data: str) -> None:
         c.train.fixmask_steps = 75
 
 
+def set_paper_scale(c: ml_collections.ConfigDict, data: str) -> None:
+    """The papers' schedule for accelerator runs (``:scale=paper``).
+
+    MoDDiffy (cfg.yml, moddiffy_spec section 10): batch 64, 15 L0 epochs then
+    15 fixmask epochs, learning rate 2e-5 for the encoder and the diffs
+    (the base config's rates, which the CPU sizing raises), 20 epochs for the
+    single-phase baselines; SRNets: 5 epochs (IMP and mask training, spec
+    A3/A5). Phase lengths are in epochs of the training split, so they fit
+    any dataset. Pass the paper's encoder with ``--config.model.dir`` (e.g.
+    a local bert-base-uncased directory or cached Hub name).
+    """
+    if data in VISION_DATA:
+        raise ValueError(
+            "scale=paper is the text papers' schedule (MoDDiffy, SRNets); the "
+            "vision benchmarks have their own reference settings (configs/ffw.py)."
+        )
+    c.train.batch_size = 64
+    c.train.epochs = 5.0 if "srnets" in c else 20.0
+    c.train.l0_epochs = 15.0
+    c.train.fixmask_epochs = 15.0
+    c.train.log_every = 50
+    c.train.checkpoint_every = 1000
+    if data == "dwmw17":
+        c.data.max_length = 128
+
+
+def resolve_epochs(
+    config: ml_collections.ConfigDict, num_train: int
+) -> ml_collections.ConfigDict:
+    """A copy of ``config`` whose step counts come from its ``train.*epochs``
+    (those > 0) and a training split of ``num_train`` examples; ``config``
+    itself when no phase is given in epochs.
+
+    A phase of e epochs has ``ceil(e * ceil(num_train / batch_size))`` steps,
+    rounded up to a multiple of ``optim.accumulate``.
+    """
+    pairs = (
+        ("epochs", "num_steps"),
+        ("l0_epochs", "l0_steps"),
+        ("fixmask_epochs", "fixmask_steps"),
+    )
+    if not any(float(config.train.get(e, 0.0)) > 0 for e, _ in pairs):
+        return config
+    if num_train < 1:
+        raise ValueError("train.*epochs needs a non-empty training split.")
+    per_epoch = math.ceil(num_train / int(config.train.batch_size))
+    k = int(config.optim.get("accumulate", 1))
+    out = ml_collections.ConfigDict(config.to_dict())
+    for epochs_key, steps_key in pairs:
+        epochs = float(config.train.get(epochs_key, 0.0))
+        if epochs < 0:
+            raise ValueError(f"config.train.{epochs_key} must be >= 0, got {epochs}.")
+        if epochs > 0:
+            steps = math.ceil(epochs * per_epoch)
+            out.train[steps_key] = k * math.ceil(steps / k)
+    out.lock()
+    return out
+
+
 def set_bias_model(c: ml_collections.ConfigDict, data: str) -> None:
     """The bias-only model a known-bias loss needs, per dataset.
 
@@ -293,6 +364,8 @@ def set_srnets(c: ml_collections.ConfigDict, opts: dict[str, str]) -> None:
     MiniLM collapsed to the majority class (BENCHMARKS.md).
     """
     c.srnets.sparsity = float(opts["sparsity"])
+    if opts.get("scale") == "paper":
+        return  # the reference's scores lr and reset interval (base config)
     c.optim.lr_scores = 1e-4
     c.srnets.reset_every = 50
 
@@ -354,6 +427,8 @@ def experiment_config(method: str, arg: str | None) -> ml_collections.ConfigDict
         )
     if opts["model"] == "tiny":
         set_tiny_model(c)
+    elif opts["scale"] == "paper":
+        set_paper_scale(c, opts["data"])
     else:
         size_for_cpu(c, opts["data"])
         if "ffw" in c:

@@ -17,6 +17,7 @@ eval / Orbax checkpoints -> ``Method.transition`` between phases ->
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -34,6 +35,7 @@ from absl import logging
 from moddiffy_jax import best as best_lib
 from moddiffy_jax import checkpoints, parallel
 from moddiffy_jax import workdir as workdir_lib
+from moddiffy_jax.config_lib import resolve_epochs
 from moddiffy_jax.context import Context, build_context
 from moddiffy_jax.eval.during import evaluate_during
 from moddiffy_jax.eval.evaluator import Evaluator
@@ -154,11 +156,15 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
 
     wall_start = time.time()
     best_lib.check_select(config)
+    requested = config  # what config.json holds; phases in epochs resolve below
+    ctx = build_context(config)
+    config = resolve_epochs(config, len(ctx.data.splits["train"]))
+    if config is not requested:
+        ctx = dataclasses.replace(ctx, config=config)
     common.check_optim(
         config.optim,
         {p: method.phase_steps(config, p) for p in method.phases_of(config)},
     )
-    ctx = build_context(config)
     rng = jax.random.PRNGKey(config.seed)
     init_rng, step_rng = jax.random.split(rng)
     trainable, frozen = method.init(ctx, init_rng)  # reads method.core_run
@@ -174,7 +180,7 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     inputs = workdir_lib.check_inputs(
         workdir, ctx, allow_changed=allow_changed_inputs, record=False
     )
-    prepare_workdir(config, workdir)
+    prepare_workdir(requested, workdir)
     workdir_lib.record_inputs(workdir, inputs)  # on a fresh run
     ckpt = checkpoints.RunCheckpointer(
         workdir / "checkpoints", max_to_keep=config.train.keep_checkpoints
@@ -322,6 +328,7 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
         ctx, evaluator, workdir, trainable, frozen, phases[-1]
     )
     results["selected"] = selected
+    results["phase_steps"] = {p: method.phase_steps(config, p) for p in phases}
     results["train_wall_time_s"] = time.time() - wall_start
     if config.eval.leakage and jax.process_index() == 0:
         results.update(_leakage(config, workdir, results, ctx.attributes))

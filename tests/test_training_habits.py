@@ -232,3 +232,60 @@ def test_bf16_training_keeps_float32_weights_and_tracks_float32(tmp_path):
         assert b["task/loss"] == pytest.approx(a["task/loss"], rel=0.03, abs=0.01)
     # ... and they are not the same computation.
     assert any(a["task/loss"] != b["task/loss"] for a, b in zip(f32, bf16, strict=True))
+
+
+def test_epochs_resolve_to_steps_of_the_training_split():
+    from moddiffy_jax.config_lib import resolve_epochs
+
+    config = experiment_config("moddiffy_par", "model=tiny")
+    assert resolve_epochs(config, 21) is config  # no phase in epochs
+    with config.unlocked():
+        config.train.batch_size = 8
+        config.train.l0_epochs = 2.5  # 3 steps per epoch: ceil(7.5) = 8
+        config.train.fixmask_epochs = 1.0
+    got = resolve_epochs(config, 21)
+    assert (got.train.l0_steps, got.train.fixmask_steps) == (8, 3)
+    assert got.train.num_steps == config.train.num_steps  # not in epochs
+    assert config.train.l0_steps != 8  # the requested config is untouched
+    with config.unlocked():
+        config.optim.accumulate = 3
+    got = resolve_epochs(config, 21)
+    assert (got.train.l0_steps, got.train.fixmask_steps) == (9, 3)
+
+
+def test_paper_scale_is_the_papers_recipe():
+    from moddiffy_jax.config_lib import resolve_epochs
+
+    config = experiment_config("moddiffy_par", "data=dwmw17,scale=paper")
+    assert config.train.batch_size == 64 and config.optim.lr_diff == 2e-5
+    assert (config.train.l0_epochs, config.train.fixmask_epochs) == (15.0, 15.0)
+    steps = resolve_epochs(config, 7474).train  # 117 steps per epoch
+    assert (steps.l0_steps, steps.fixmask_steps) == (1755, 1755)
+    cpu = experiment_config("moddiffy_par", "data=dwmw17")
+    assert cpu.train.l0_epochs == 0.0 and cpu.optim.lr_diff == 5e-4
+    mask = experiment_config("srnets_mask", "data=dwmw17,scale=paper")
+    assert mask.train.epochs == 5.0 and mask.optim.lr_scores == 5e-5
+    with pytest.raises(ValueError, match="scale=paper is the text papers'"):
+        experiment_config("finetune", "data=bmnist,scale=paper")
+
+
+def test_a_run_in_epochs_records_its_steps_and_resumes(tmp_path):
+    def config(**train):
+        c = experiment_config("finetune", "model=tiny")
+        with c.unlocked():
+            c.train.epochs = 0.75
+            c.train.checkpoint_every = 2
+            c.eval.leakage = False
+            c.train.update(train)
+        return c
+
+    with pytest.raises(Preempted):
+        train.train_and_evaluate(config(stop_at_step=2), tmp_path)
+    results = train.train_and_evaluate(config(), tmp_path)
+    n_train = len(train.build_context(config()).data.splits["train"])
+    want = math.ceil(0.75 * math.ceil(n_train / 8))
+    assert results["phase_steps"] == {"train": want} and want > 2
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["train"]["epochs"] == 0.75  # what was asked, resolved per run
+    steps = [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")]
+    assert max(steps) == want
