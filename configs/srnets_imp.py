@@ -19,7 +19,11 @@ pretrained encoder::
 
 Arguments after ":" as in configs/srnets_mask.py. The trained subnetwork is
 exported as the core; its mask (relative to the start weights) as
-export/mask.safetensors.
+export/mask.safetensors. Measured (2-core CPU, 2026-11-24, BENCHMARKS.md
+"IMP with and without rewinding"; PoE, 50%, best-dev selection): paradigm 1
+keeps test accuracy 0.906 (dense 0.914) with bias-conflicting accuracy
+0.595 (dense 0.571); the rewound mask retrained in isolation reaches 0.891,
+conflicting 0.595, RMS TPR gap 0.116 (dense 0.379).
 """
 
 from moddiffy_jax.config_lib import experiment_config
