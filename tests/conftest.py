@@ -44,8 +44,14 @@ _LONG_MODULES = (
     "test_ffw.py",
     "test_srnets.py",
     "test_evaluate.py",
+    "test_training_habits.py",
+    "test_notebook.py",
     "test_erasure.py",
+    "test_readme.py",
+    "test_removal.py",
     "test_bad_inputs.py",
+    "test_lora.py",
+    "test_best.py",
 )
 
 
