@@ -68,7 +68,10 @@ def main():
         lambda r, w, x: routing.encode(config, core, r, w, x).pooler_output
     )
     print(f"MiniLM, batch {b} x {n} tokens, diffs {args.keep:.0%} dense, eval mode")
-    print("K | routed (ex/s) | separate (ex/s) | routed / separate")
+    print(
+        "K | routed, sparse kernels (ex/s) | routed, dense kernels (ex/s) | "
+        "separate (ex/s) | sparse / separate | dense / separate"
+    )
     for k in (int(x) for x in args.diffs.split(",")):
         diffs = [_random_diff(core, s, args.keep) for s in range(k)]
         route = np.arange(b) % (k + 1)  # 0: core, i: diff i
@@ -76,6 +79,7 @@ def main():
         for i in range(1, k + 1):
             weights[route == i, i - 1] = 1.0
         routed = routing.RoutedDiffs.build(core, diffs)
+        routed_dense = routing.RoutedDiffs.build(core, diffs, kernels="dense")
         groups = [
             {key: v[np.flatnonzero(route == r)] for key, v in batch.items()}
             for r in range(k + 1)
@@ -92,8 +96,15 @@ def main():
             lambda routed=routed, weights=weights: routed_fn(routed, weights, batch),
             args.repeats,
         )
+        t_dense = _median_time(
+            lambda r=routed_dense, weights=weights: routed_fn(r, weights, batch),
+            args.repeats,
+        )
         t_sep = _median_time(separate, args.repeats)
-        print(f"{k} | {b / t_routed:.1f} | {b / t_sep:.1f} | {t_sep / t_routed:.2f}x")
+        print(
+            f"{k} | {b / t_routed:.1f} | {b / t_dense:.1f} | {b / t_sep:.1f} | "
+            f"{t_sep / t_routed:.2f}x | {t_sep / t_dense:.2f}x"
+        )
 
 
 if __name__ == "__main__":

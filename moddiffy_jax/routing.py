@@ -56,18 +56,26 @@ class RoutedDiffs:
       vectors: ``{param_path: [K, n]}`` dense per-diff biases and LayerNorm
         parameters.
       tables: ``{module_path: [K, V, H]}`` dense per-diff embedding tables.
+      dense_kernels: ``{module_path: [K, in, out]}``: the kernels' diffs as
+        dense arrays (``kernels="dense"``), applied as K extra matmuls.
       num_diffs: K.
     """
 
     kernels: dict[str, tuple[jax.Array, jax.Array, jax.Array, jax.Array]]
     vectors: dict[str, jax.Array]
     tables: dict[str, jax.Array]
+    dense_kernels: dict[str, jax.Array] = flax.struct.field(default_factory=dict)
     num_diffs: int = flax.struct.field(pytree_node=False, default=0)
 
     @classmethod
-    def build(cls, base: PyTree, diffs: Sequence[Any]) -> RoutedDiffs:
+    def build(
+        cls, base: PyTree, diffs: Sequence[Any], *, kernels: str = "sparse"
+    ) -> RoutedDiffs:
         """From :class:`SparseDiff` objects made on ``base`` (host side, once
-        per set of diffs).
+        per set of diffs). ``kernels``: "sparse" (gather/scatter of the
+        entries: work proportional to the diffs' size) or "dense" (K dense
+        [in, out] arrays and K extra matmuls: faster where scatters are slow,
+        e.g. XLA on CPU; BENCHMARKS.md).
 
         Raises:
           ValueError: a diff leaf the routed forward cannot apply (e.g.
@@ -106,21 +114,33 @@ class RoutedDiffs:
                         "of Dense kernels and biases, LayerNorm parameters and "
                         "embedding tables only."
                     )
-        kernels = {}
+        if kernels not in ("sparse", "dense"):
+            raise ValueError(f"kernels={kernels!r}; use 'sparse' or 'dense'.")
+        dense: dict[str, jax.Array] = {}
+        if kernels == "dense":
+            for module, parts in kernel_parts.items():
+                shape = np.shape(flat[f"{module}/kernel"])
+                table = np.zeros((k_all, *shape), np.float32)
+                for rows, cols, vals, ids in parts:
+                    np.add.at(table, (ids, rows, cols), vals)
+                dense[module] = jnp.asarray(table)
+            kernel_parts = {}
+        out_kernels = {}
         for module, parts in kernel_parts.items():
             rows, cols, vals, ids = (
                 np.concatenate(x) for x in zip(*parts, strict=True)
             )
-            kernels[module] = (
+            out_kernels[module] = (
                 jnp.asarray(rows, jnp.int32),
                 jnp.asarray(cols, jnp.int32),
                 jnp.asarray(vals),
                 jnp.asarray(ids),
             )
         return cls(
-            kernels=kernels,
+            kernels=out_kernels,
             vectors={p: jnp.asarray(v) for p, v in vectors.items()},
             tables={p: jnp.asarray(t) for p, t in tables.items()},
+            dense_kernels=dense,
             num_diffs=k_all,
         )
 
@@ -152,6 +172,12 @@ def _interceptor(routed: RoutedDiffs, weights: jax.Array):
                 prod = x[..., rows] * _per_example(scale, x.ndim)  # [B, ..., nnz]
                 zeros = jnp.zeros((*x.shape[:-1], y.shape[-1]), prod.dtype)
                 y = y + zeros.at[..., cols].add(prod).astype(y.dtype)
+            elif name in routed.dense_kernels:
+                per_diff = jnp.einsum(
+                    "b...i,kio->b...ko", x, routed.dense_kernels[name]
+                )
+                w = weights.reshape(weights.shape[0], *([1] * (x.ndim - 2)), -1, 1)
+                y = y + (per_diff * w).sum(-2).astype(y.dtype)
             bias = vector(f"{name}/bias")
             if bias is not None:
                 y = y + _per_example(bias, y.ndim).astype(y.dtype)

@@ -48,12 +48,13 @@ def test_every_leaf_kind_is_covered(setup):
     assert routed.num_diffs == 2 and routed.kernels and routed.tables
 
 
-def test_mixed_batch_equals_per_row_forwards(setup):
+@pytest.mark.parametrize("kernels", ["sparse", "dense"])
+def test_mixed_batch_equals_per_row_forwards(setup, kernels):
     config, params, diffs, batch = setup
     weights = np.asarray(
         [[1, 0], [0, 1], [0, 0], [1, 1], [0.5, -1.0]], np.float32
     )  # gender, age, core, both, a weighted mix
-    routed = routing.RoutedDiffs.build(params, diffs)
+    routed = routing.RoutedDiffs.build(params, diffs, kernels=kernels)
     calls = []
 
     @jax.jit
@@ -83,7 +84,9 @@ def test_mixed_batch_equals_per_row_forwards(setup):
     np.testing.assert_allclose(got.pooler_output[2], core.pooler_output[2], atol=2e-5)
     # ... and another mix, or other diffs of the same sizes, reuse the program.
     routed_forward(routed, weights[::-1].copy(), batch)
-    other = routing.RoutedDiffs.build(params, [_diff(params, 3), _diff(params, 4)])
+    other = routing.RoutedDiffs.build(
+        params, [_diff(params, 3), _diff(params, 4)], kernels=kernels
+    )
     routed_forward(other, weights, batch)
     assert len(calls) == 1
 
