@@ -30,7 +30,6 @@ Embed and LayerNorm calls.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -239,7 +238,7 @@ def encode(
             f"weights has {weights.shape[0]} rows for a batch of "
             f"{np.shape(batch['input_ids'])[0]} examples."
         )
-    encoder = BertEncoder(dataclasses.replace(bert_config), dtype=dtype)
+    encoder = BertEncoder(bert_config, dtype=dtype)
     with nn.intercept_methods(_interceptor(routed, weights)):
         return encoder.apply(
             {"params": core},

@@ -1,16 +1,16 @@
-"""Writes tests/fixtures/tiny_roberta/: a tiny random RoBERTa checkpoint and
-transformers' torch outputs on it.
+"""Writes tests/fixtures/tiny_roberta/: the config of a tiny RoBERTa and
+transformers' torch outputs on it; its weights are not stored.
 
-No RoBERTa checkpoint can be downloaded here, so the checkpoint is a tiny
+No RoBERTa checkpoint can be downloaded here, so the model is a tiny
 ``RobertaModel`` (H = 32, 2 layers, 2 heads, I = 64, 46 positions, one token
-type, pad id 1) from a fixed torch seed, every tensor then moved by a little
-noise so that biases and LayerNorm parameters are not at their initial
-0 / 1. ``config.json`` and ``model.safetensors`` are written as
-``save_pretrained`` writes them (names ``embeddings.*``, ``encoder.*``,
-``pooler.*``); ``parity.npz`` holds four padded id rows (bos 0, eos 2, pad 1,
-different lengths), their attention mask, and the float32
-``last_hidden_state`` / ``pooler_output`` of ``RobertaModel`` (eval mode,
-eager attention). ``tests/test_bert.py`` checks our encoder against it.
+type, pad id 1) whose every tensor is :func:`fixture_tensor` of its name and
+shape: a seeded numpy draw that the test repeats to write the checkpoint
+(``model.safetensors``) itself, so no weights are tracked. ``config.json``
+is what ``save_pretrained`` writes; ``parity.npz`` holds four padded id rows
+(bos 0, eos 2, pad 1, different lengths), their attention mask, and the
+float32 ``last_hidden_state`` / ``pooler_output`` of ``RobertaModel``
+(eval mode, eager attention). ``tests/test_bert.py`` checks our encoder
+against it.
 
 Run in a separate venv with torch (never in this project's environment)::
 
@@ -33,6 +33,16 @@ LENGTHS = (12, 7, 3, 10)
 PAD, BOS, EOS, VOCAB = 1, 0, 2, 99
 
 
+def fixture_tensor(name: str, shape) -> np.ndarray:
+    """The fixture's value of tensor ``name`` (transformers' name, torch
+    layout): N(0, 0.05) from a seed of the name, plus 1 for LayerNorm scales."""
+    seed = int.from_bytes(name.encode(), "little") % (2**63)
+    value = np.random.default_rng(seed).normal(0.0, 0.05, size=tuple(shape))
+    if name.endswith("LayerNorm.weight"):
+        value = value + 1.0
+    return value.astype(np.float32)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
@@ -41,7 +51,6 @@ def main() -> None:
     import torch
     import transformers
 
-    torch.manual_seed(0)
     config = transformers.RobertaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -58,10 +67,10 @@ def main() -> None:
     )
     model = transformers.RobertaModel(config).eval()
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+        for name, p in model.named_parameters():
+            p.copy_(torch.from_numpy(fixture_tensor(name, p.shape)))
     args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out, safe_serialization=True)
+    config.save_pretrained(args.out)  # config.json only: weights are regenerated
 
     rng = np.random.default_rng(0)
     width = max(LENGTHS)

@@ -98,11 +98,39 @@ def test_minilm_parity_with_hf_torch(minilm):
 ROBERTA = pathlib.Path(__file__).parent / "fixtures" / "tiny_roberta"
 
 
-def test_roberta_parity_with_hf_torch():
+@pytest.fixture(scope="module")
+def roberta_dir(tmp_path_factory):
+    """The tiny RoBERTa checkpoint of the fixture, written here: its tensors
+    are the seeded draws of scripts/make_roberta_fixture.py (no weights are
+    tracked), named and shaped as transformers' RobertaModel saves them."""
+    import importlib.util
+    import shutil
+
+    from moddiffy_jax.hf_export import hf_state_dict
+
+    path = pathlib.Path(__file__).parents[1] / "scripts" / "make_roberta_fixture.py"
+    spec = importlib.util.spec_from_file_location("make_roberta_fixture", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    config = bert.BertConfig.from_json(ROBERTA / "config.json")
+    zeros = jax.tree.map(
+        lambda s: np.zeros(s.shape, np.float32), bert.param_shapes(config)
+    )
+    tensors = {
+        name: script.fixture_tensor(name, value.shape)
+        for name, value in hf_state_dict(zeros).items()
+    }
+    out = tmp_path_factory.mktemp("tiny_roberta")
+    shutil.copyfile(ROBERTA / "config.json", out / "config.json")
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def test_roberta_parity_with_hf_torch(roberta_dir):
     """A tiny random RoBERTa checkpoint (scripts/make_roberta_fixture.py):
     positions counted from pad_token_id + 1 over the real tokens, one token
     type; rows of different lengths, padded."""
-    config, params = bert.load_pretrained(ROBERTA)
+    config, params = bert.load_pretrained(roberta_dir)
     assert config.model_type == "roberta" and config.padding_positions
     assert config.max_length == 46 - 2
     data = np.load(ROBERTA / "parity.npz")
@@ -128,7 +156,7 @@ def test_roberta_parity_with_hf_torch():
         )
 
 
-def test_hub_name_from_the_local_cache(tmp_path, monkeypatch):
+def test_hub_name_from_the_local_cache(roberta_dir, tmp_path, monkeypatch):
     """A Hub name already in the Hugging Face cache loads from its snapshot
     (the cache layout huggingface_hub writes); nothing is downloaded, and a
     name that is not cached is one clear error."""
@@ -138,14 +166,14 @@ def test_hub_name_from_the_local_cache(tmp_path, monkeypatch):
     snap = repo / "snapshots" / "0123abcd"
     snap.mkdir(parents=True)
     for name in ("config.json", "model.safetensors"):
-        shutil.copyfile(ROBERTA / name, snap / name)
+        shutil.copyfile(roberta_dir / name, snap / name)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0123abcd")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert bert.resolve_model_dir("acme/tiny-roberta") == snap
     config, params = bert.load_pretrained("acme/tiny-roberta")
-    want_config, want = bert.load_pretrained(ROBERTA)
+    want_config, want = bert.load_pretrained(roberta_dir)
     assert config == want_config
     chex.assert_trees_all_equal(params, want)
     with pytest.raises(FileNotFoundError, match="no Hub model of that name"):
