@@ -16,6 +16,20 @@
   (spec A3.1): ``--config.train.select=best_dev --config.train.eval_every=50
   --config.train.select_from=0.7``. Ties keep the earlier step.
 
+``config.train.select_metric`` (``best_dev`` only) says what "best" is:
+
+- ``"task"`` (default): the full composition's dev task accuracy.
+- ``"task_minus_leakage"``: that accuracy minus ``train.select_leakage_weight``
+  (default 1) times the mean, over the protected attributes, of each
+  attribute's dev leakage: the balanced accuracy of a fresh class-balanced
+  linear probe fit on train representations (``eval.probe_max_train`` rows)
+  of the configuration that should not carry it, ``core+<attribute>`` where
+  the run exports a diff per attribute, else the full composition. One point
+  of leakage costs as much as one point of task accuracy at weight 1; the
+  score is a fixed function of each evaluation, so a resumed run keeps the
+  same state as an uninterrupted one. The probes run at every evaluation
+  (``eval.probe_during`` is implied) and are written to the metrics.
+
 The kept state is written to ``WORKDIR/best/state.msgpack`` (one file,
 replaced atomically, with its step, phase and score), so a resumed run
 selects exactly what the uninterrupted one does: the best is a maximum over
@@ -35,6 +49,21 @@ import ml_collections
 from moddiffy_jax._files import temp_file_beside
 
 SELECT_RULES = ("last", "best_dev")
+SELECT_METRICS = ("task", "task_minus_leakage")
+
+
+def leakage_key(attribute: str) -> str:
+    """The field of a composition row holding its fresh dev leakage."""
+    return f"dev_leakage/{attribute}"
+
+
+def uses_leakage(config: ml_collections.ConfigDict) -> bool:
+    """Whether best-dev selection needs fresh probes at every evaluation."""
+    train = config.train
+    return (
+        train.get("select", "last") == "best_dev"
+        and train.get("select_metric", "task") == "task_minus_leakage"
+    )
 
 
 def check_select(config: ml_collections.ConfigDict) -> None:
@@ -50,6 +79,18 @@ def check_select(config: ml_collections.ConfigDict) -> None:
             f"config.train.select_from={start!r} is a share of the last phase's "
             "steps; use a number in [0, 1] (the SRNets reference: 0.7)."
         )
+    metric = config.train.get("select_metric", "task")
+    if metric not in SELECT_METRICS:
+        raise ValueError(
+            f"config.train.select_metric={metric!r}; use one of "
+            f"{list(SELECT_METRICS)}."
+        )
+    weight = config.train.get("select_leakage_weight", 1.0)
+    if not float(weight) >= 0.0:
+        raise ValueError(
+            f"config.train.select_leakage_weight={weight!r} is what one point of "
+            "leakage costs in points of task accuracy; use a number >= 0 (e.g. 1)."
+        )
     if rule == "best_dev" and not int(config.train.eval_every) > 0:
         raise ValueError(
             "config.train.select='best_dev' scores the model on dev every "
@@ -62,6 +103,46 @@ def full_row(rows: dict[str, Any]) -> str:
     return max(rows, key=lambda label: (label.count("+"), label))
 
 
+def leakage_row(rows: dict[str, Any], attribute: str) -> str:
+    """The row that should not carry ``attribute``: its own diff's
+    (``core+<attribute>``) where there is one, else the full composition."""
+    own = f"core+{attribute}"
+    return own if own in rows else full_row(rows)
+
+
+def score(
+    rows: dict[str, Any],
+    metric: str = "task",
+    attributes: tuple[str, ...] = (),
+    leakage_weight: float = 1.0,
+) -> tuple[float, str]:
+    """(score, row) of one evaluation's composition rows under ``metric``.
+
+    ``rows`` map a label to its fields (``dev_task_acc``, and for
+    ``task_minus_leakage`` each attribute's ``dev_leakage/<attribute>`` on the
+    rows :func:`leakage_row` names).
+    """
+    row = full_row(rows)
+    value = float(rows[row]["dev_task_acc"])
+    if metric == "task":
+        return value, row
+    if not attributes:
+        raise ValueError(
+            "train.select_metric='task_minus_leakage' needs protected attributes "
+            "(config.data.attributes); use select_metric='task' for this run."
+        )
+    leaks = []
+    for a in attributes:
+        fields = rows[leakage_row(rows, a)]
+        if leakage_key(a) not in fields:
+            raise ValueError(
+                f"no dev leakage of {a!r} in row {leakage_row(rows, a)!r} at this "
+                "evaluation (the probes did not run)."
+            )
+        leaks.append(float(fields[leakage_key(a)]))
+    return value - leakage_weight * sum(leaks) / len(leaks), row
+
+
 class BestDev:
     """Keeps the best-scoring (trainable, frozen) state of a run.
 
@@ -71,11 +152,25 @@ class BestDev:
       enabled: False for ``train.select="last"`` (every call is a no-op).
       start: ``train.select_from``, the share of the last phase after which
         evaluations count (the SRNets reference: 0.7).
+      metric: ``train.select_metric`` (see :func:`score`).
+      attributes: the protected attributes (``task_minus_leakage``).
+      leakage_weight: ``train.select_leakage_weight``.
     """
 
-    def __init__(self, workdir: Path, enabled: bool, start: float = 0.0):
+    def __init__(
+        self,
+        workdir: Path,
+        enabled: bool,
+        start: float = 0.0,
+        metric: str = "task",
+        attributes: tuple[str, ...] = (),
+        leakage_weight: float = 1.0,
+    ):
         self.enabled = enabled
         self.start = float(start)
+        self.metric = metric
+        self.attributes = tuple(attributes)
+        self.leakage_weight = float(leakage_weight)
         self.path = Path(workdir) / "best" / "state.msgpack"
         self.info: dict[str, Any] | None = None
         self._state: Any = None  # state dict of {"trainable", "frozen"}
@@ -90,6 +185,7 @@ class BestDev:
             "phase": str(saved["phase"]),
             "score": float(saved["score"]),
             "row": str(saved["row"]),
+            "metric": str(saved.get("metric", "task")),
         }
         self._state = saved["state"]
 
@@ -109,15 +205,20 @@ class BestDev:
         """
         if not self.enabled or progress < self.start:
             return False
-        row = full_row(rows)
-        score = float(rows[row]["dev_task_acc"])
-        if self.info is not None and score <= self.info["score"]:
-            if score < self.info["score"] or step >= self.info["step"]:
+        value, row = score(rows, self.metric, self.attributes, self.leakage_weight)
+        if self.info is not None and value <= self.info["score"]:
+            if value < self.info["score"] or step >= self.info["step"]:
                 return False
         state = flax.serialization.to_state_dict(
             jax.device_get({"trainable": trainable, "frozen": frozen})
         )
-        self.info = {"step": step, "phase": phase, "score": score, "row": row}
+        self.info = {
+            "step": step,
+            "phase": phase,
+            "score": value,
+            "row": row,
+            "metric": self.metric,
+        }
         self._state = state
         if jax.process_index() == 0:
             blob = flax.serialization.msgpack_serialize({**self.info, "state": state})

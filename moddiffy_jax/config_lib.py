@@ -140,6 +140,11 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # the last phase that scored best on dev at the evaluations (best.py).
     c.train.select = "last"
     c.train.select_from = 0.0  # best_dev: share of the last phase before it counts
+    # best_dev: "task" (dev task accuracy of the full composition) or
+    # "task_minus_leakage" (that minus select_leakage_weight x the mean fresh
+    # dev leakage of each attribute's own configuration; best.py).
+    c.train.select_metric = "task"
+    c.train.select_leakage_weight = 1.0
     c.train.checkpoint_every = 100
     c.train.keep_checkpoints = 2
     c.train.stop_at_step = 0  # >0: simulate a preemption after this step.

@@ -196,6 +196,9 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
         workdir,
         config.train.get("select", "last") == "best_dev",
         start=config.train.get("select_from", 0.0),
+        metric=config.train.get("select_metric", "task"),
+        attributes=tuple(ctx.attributes),
+        leakage_weight=config.train.get("select_leakage_weight", 1.0),
     )
     if latest is not None:
         best.load()

@@ -68,6 +68,8 @@ def test_select_from_ignores_the_early_evaluations():
         ({"select": "best", "eval_every": 5}, "train.select='best'"),
         ({"select": "best_dev", "eval_every": 0}, "train.eval_every"),
         ({"select": "best_dev", "eval_every": 5, "select_from": 1.5}, "select_from"),
+        ({"select_metric": "leakage"}, "select_metric='leakage'"),
+        ({"select_leakage_weight": -1.0}, "select_leakage_weight"),
     ],
 )
 def test_bad_selection_names_the_fix(train_cfg, match):
@@ -80,3 +82,61 @@ def test_full_row_is_the_composition_with_every_export():
     rows = {"core": {}, "core+a": {}, "core+b": {}, "core+a+b": {}}
     assert best.full_row(rows) == "core+a+b"
     assert best.full_row({"core": {}}) == "core"
+
+
+def test_leakage_aware_score_reads_each_attributes_own_row():
+    rows = {
+        "core": {"dev_task_acc": 0.90, "dev_leakage/a": 0.95, "dev_leakage/b": 0.9},
+        "core+a": {"dev_task_acc": 0.88, "dev_leakage/a": 0.70},
+        "core+b": {"dev_task_acc": 0.89, "dev_leakage/b": 0.60},
+        "core+a+b": {"dev_task_acc": 0.86},
+    }
+    assert best.score(rows) == (0.86, "core+a+b")
+    value, row = best.score(rows, "task_minus_leakage", ("a", "b"), 0.5)
+    assert row == "core+a+b"
+    assert value == pytest.approx(0.86 - 0.5 * (0.70 + 0.60) / 2)
+    # Without a diff per attribute, the full composition must not carry it.
+    only_core = {"core": rows["core"]}
+    value, _ = best.score(only_core, "task_minus_leakage", ("a", "b"))
+    assert value == pytest.approx(0.90 - (0.95 + 0.9) / 2)
+    with pytest.raises(ValueError, match="no dev leakage of 'a'"):
+        best.score({"core": {"dev_task_acc": 0.9}}, "task_minus_leakage", ("a",))
+    with pytest.raises(ValueError, match="needs protected attributes"):
+        best.score(only_core, "task_minus_leakage", ())
+
+
+def test_leakage_aware_selection_keeps_the_best_trade(tmp_path):
+    """A tiny debiasing run selected by task accuracy minus leakage: the
+    exported state is the evaluation with the highest such score, computed
+    here from the metrics the run wrote (the probes ran although
+    eval.probe_during is off)."""
+    config = experiment_config("finetune_debias", "model=tiny")
+    with config.unlocked():
+        config.train.num_steps = 6
+        config.train.eval_every = 1
+        config.train.checkpoint_every = 100
+        config.train.select = "best_dev"
+        config.train.select_metric = "task_minus_leakage"
+        config.train.select_leakage_weight = 2.0
+        config.optim.lr_encoder = 3e-3
+        config.optim.lr_heads = 3e-3
+        assert not config.eval.probe_during
+    attributes = train.build_context(config).attributes
+    assert len(attributes) == 2
+    results = train.train_and_evaluate(config, tmp_path)
+    scores = {}
+    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "eval/core/dev_task_acc" not in record:
+            continue
+        leaks = [record[f"probe/core/{a}/linear_dev_bacc"] for a in attributes]
+        scores[record["step"]] = record["eval/core/dev_task_acc"] - 2.0 * sum(
+            leaks
+        ) / len(leaks)
+    assert sorted(scores) == list(range(1, 7))
+    assert len(set(scores.values())) > 1, scores  # a real choice
+    top = max(scores.values())
+    chosen = results["selected"]
+    assert chosen["metric"] == "task_minus_leakage" and chosen["row"] == "core"
+    assert chosen["step"] == min(s for s, v in scores.items() if v == top)
+    assert chosen["score"] == pytest.approx(top)

@@ -7,10 +7,13 @@ from typing import Any
 
 import jax
 
+from moddiffy_jax import best as best_lib
 from moddiffy_jax.data import vision as vision_data
 from moddiffy_jax.eval import composition
 from moddiffy_jax.eval import removal as leakage
 from moddiffy_jax.eval.evaluator import composition_table
+
+_PROBE_SUFFIX = "/linear_dev_bacc"
 
 
 def evaluate_during(
@@ -32,8 +35,14 @@ def evaluate_during(
         record[f"eval/{label}/dev_task_acc"] = row["dev_task_acc"]
     for name, sd in sparse.items():
         record[f"eval/diff/{name}/density"] = float(sd.density())
-    if ctx.config.eval.probe_during and ctx.attributes:
-        record.update(fresh_probes(ctx, params_by_row))
+    if ctx.attributes and (
+        ctx.config.eval.probe_during or best_lib.uses_leakage(ctx.config)
+    ):
+        probed = fresh_probes(ctx, params_by_row)
+        record.update(probed)
+        for key, value in probed.items():  # probe/<label>/<attr>/linear_dev_bacc
+            label, attribute = key[len("probe/") : -len(_PROBE_SUFFIX)].split("/", 1)
+            rows[label][best_lib.leakage_key(attribute)] = value
     writer.write(step, record)
     return rows
 
@@ -51,7 +60,7 @@ def fresh_probes(ctx, params_by_row) -> dict[str, float]:
             continue
         reps = {s: rep.represent(params, s) for s in ("train", "dev")}
         for a in ctx.attributes:
-            out[f"probe/{label}/{a}/linear_dev_bacc"] = leakage.fresh_linear_leakage(
+            out[f"probe/{label}/{a}{_PROBE_SUFFIX}"] = leakage.fresh_linear_leakage(
                 reps,
                 labels[a],
                 num_classes=len(ctx.data.attr_classes[a]),
