@@ -31,11 +31,12 @@ false.
 import numpy as np
 import pytest
 
-from moddiffy_jax import checkpoints, train
+from moddiffy_jax import checkpoints, manifest, train
 from moddiffy_jax.config_lib import experiment_config
 from moddiffy_jax.data import synthetic
 from moddiffy_jax.eval import composition, removal
 from moddiffy_jax.models import bert
+from moddiffy_jax.subnets import sparse_diff
 
 
 def _data(c):
@@ -69,6 +70,9 @@ def _plant_gender(core_dir):
                     emb[token_id] += sign * u
     core["embeddings"]["word_embeddings"]["embedding"] = emb
     checkpoints.save_params(path, core, metadata=meta, overwrite=True)
+    # The planted core is a new export: its manifest must say so, or loading
+    # it fails the integrity check (as it should for a changed file).
+    manifest.write_manifest(path.parent, fingerprint=sparse_diff.fingerprint(core))
 
 
 def _train_diff(tmp_path, name, **method_overrides):
@@ -122,6 +126,10 @@ def _leakage(config, run_dirs):
 
 @pytest.mark.xfail(
     strict=True,
+    # Only the removal assertions may fail: an error anywhere else (stop 20
+    # found the planted core rejected by the export's integrity check, which
+    # a bare xfail had counted as the expected failure) fails CI.
+    raises=AssertionError,
     reason=(
         "issue 11, open: on this planted core a diff trained on the task "
         "alone (no removal term) takes the probe from 0.80 to 0.58, and "
