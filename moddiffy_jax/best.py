@@ -82,8 +82,7 @@ def check_select(config: ml_collections.ConfigDict) -> None:
     metric = config.train.get("select_metric", "task")
     if metric not in SELECT_METRICS:
         raise ValueError(
-            f"config.train.select_metric={metric!r}; use one of "
-            f"{list(SELECT_METRICS)}."
+            f"config.train.select_metric={metric!r}; use one of {list(SELECT_METRICS)}."
         )
     weight = config.train.get("select_leakage_weight", 1.0)
     if not float(weight) >= 0.0:
