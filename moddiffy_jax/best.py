@@ -109,6 +109,14 @@ def leakage_row(rows: dict[str, Any], attribute: str) -> str:
     return own if own in rows else full_row(rows)
 
 
+def _check_attributes(metric: str, attributes: tuple[str, ...]) -> None:
+    if metric == "task_minus_leakage" and not attributes:
+        raise ValueError(
+            "train.select_metric='task_minus_leakage' needs protected attributes "
+            "(config.data.attributes); use select_metric='task' for this run."
+        )
+
+
 def score(
     rows: dict[str, Any],
     metric: str = "task",
@@ -125,11 +133,7 @@ def score(
     value = float(rows[row]["dev_task_acc"])
     if metric == "task":
         return value, row
-    if not attributes:
-        raise ValueError(
-            "train.select_metric='task_minus_leakage' needs protected attributes "
-            "(config.data.attributes); use select_metric='task' for this run."
-        )
+    _check_attributes(metric, attributes)
     leaks = []
     for a in attributes:
         fields = rows[leakage_row(rows, a)]
@@ -165,6 +169,8 @@ class BestDev:
         attributes: tuple[str, ...] = (),
         leakage_weight: float = 1.0,
     ):
+        if enabled:
+            _check_attributes(metric, attributes)
         self.enabled = enabled
         self.start = float(start)
         self.metric = metric
@@ -179,6 +185,13 @@ class BestDev:
         if not self.enabled or not self.path.is_file():
             return
         saved = flax.serialization.msgpack_restore(self.path.read_bytes())
+        if str(saved.get("metric", "task")) != self.metric:
+            raise ValueError(
+                f"{self.path} was selected by train.select_metric="
+                f"{str(saved.get('metric', 'task'))!r}, this run asks for "
+                f"{self.metric!r}: the scores do not compare. Resume with the "
+                "first run's select_metric, or start a new workdir."
+            )
         self.info = {
             "step": int(saved["step"]),
             "phase": str(saved["phase"]),

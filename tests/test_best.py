@@ -12,8 +12,8 @@ from moddiffy_jax.config_lib import experiment_config
 from moddiffy_jax.workdir import Preempted
 
 
-def _config(**train_overrides):
-    config = experiment_config("finetune", "model=tiny")
+def _config(method="finetune", **train_overrides):
+    config = experiment_config(method, "model=tiny")
     with config.unlocked():
         config.train.num_steps = 8
         config.train.eval_every = 1
@@ -110,17 +110,13 @@ def test_leakage_aware_selection_keeps_the_best_trade(tmp_path):
     exported state is the evaluation with the highest such score, computed
     here from the metrics the run wrote (the probes ran although
     eval.probe_during is off)."""
-    config = experiment_config("finetune_debias", "model=tiny")
-    with config.unlocked():
-        config.train.num_steps = 6
-        config.train.eval_every = 1
-        config.train.checkpoint_every = 100
-        config.train.select = "best_dev"
-        config.train.select_metric = "task_minus_leakage"
-        config.train.select_leakage_weight = 2.0
-        config.optim.lr_encoder = 3e-3
-        config.optim.lr_heads = 3e-3
-        assert not config.eval.probe_during
+    config = _config(
+        "finetune_debias",
+        num_steps=6,
+        select_metric="task_minus_leakage",
+        select_leakage_weight=2.0,
+    )
+    assert not config.eval.probe_during
     attributes = train.build_context(config).attributes
     assert len(attributes) == 2
     results = train.train_and_evaluate(config, tmp_path)
@@ -140,3 +136,13 @@ def test_leakage_aware_selection_keeps_the_best_trade(tmp_path):
     assert chosen["metric"] == "task_minus_leakage" and chosen["row"] == "core"
     assert chosen["step"] == min(s for s, v in scores.items() if v == top)
     assert chosen["score"] == pytest.approx(top)
+
+
+def test_a_best_state_of_another_metric_is_refused(tmp_path):
+    keeper = best.BestDev(tmp_path, True)
+    keeper.offer({"core": {"dev_task_acc": 0.9}}, {}, {}, "train", 1, progress=1.0)
+    other = best.BestDev(tmp_path, True, metric="task_minus_leakage", attributes=("a",))
+    with pytest.raises(ValueError, match="scores do not compare"):
+        other.load()
+    with pytest.raises(ValueError, match="needs protected attributes"):
+        best.BestDev(tmp_path, True, metric="task_minus_leakage")

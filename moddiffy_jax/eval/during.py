@@ -13,8 +13,6 @@ from moddiffy_jax.eval import composition
 from moddiffy_jax.eval import removal as leakage
 from moddiffy_jax.eval.evaluator import composition_table
 
-_PROBE_SUFFIX = "/linear_dev_bacc"
-
 
 def evaluate_during(
     ctx, evaluator, writer, trainable, frozen, phase: str, step: int
@@ -38,17 +36,16 @@ def evaluate_during(
     if ctx.attributes and (
         ctx.config.eval.probe_during or best_lib.uses_leakage(ctx.config)
     ):
-        probed = fresh_probes(ctx, params_by_row)
-        record.update(probed)
-        for key, value in probed.items():  # probe/<label>/<attr>/linear_dev_bacc
-            label, attribute = key[len("probe/") : -len(_PROBE_SUFFIX)].split("/", 1)
-            rows[label][best_lib.leakage_key(attribute)] = value
+        for (label, a), value in fresh_probes(ctx, params_by_row).items():
+            record[f"probe/{label}/{a}/linear_dev_bacc"] = value
+            rows[label][best_lib.leakage_key(a)] = value
     writer.write(step, record)
     return rows
 
 
-def fresh_probes(ctx, params_by_row) -> dict[str, float]:
-    """Dev leakage of fresh linear probes for the core and each single diff."""
+def fresh_probes(ctx, params_by_row) -> dict[tuple[str, str], float]:
+    """Dev leakage of fresh linear probes for the core and each single diff:
+    ``{(configuration label, attribute): balanced accuracy}``."""
     rep = composition.Representer(ctx, ctx.config.eval.batch_size)
     out = {}
     labels = {
@@ -60,7 +57,7 @@ def fresh_probes(ctx, params_by_row) -> dict[str, float]:
             continue
         reps = {s: rep.represent(params, s) for s in ("train", "dev")}
         for a in ctx.attributes:
-            out[f"probe/{label}/{a}{_PROBE_SUFFIX}"] = leakage.fresh_linear_leakage(
+            out[label, a] = leakage.fresh_linear_leakage(
                 reps,
                 labels[a],
                 num_classes=len(ctx.data.attr_classes[a]),
