@@ -53,6 +53,15 @@ def _core_run(ctx) -> str:
     head = ctx.model.init_task_head(jax.random.PRNGKey(0))
     checkpoints.save_params(os.path.join(export, "core.safetensors"), ctx.pretrained)
     checkpoints.save_params(os.path.join(export, "task_head.safetensors"), head)
+    # A finished run's export carries its manifest (read back on load).
+    from pathlib import Path
+
+    from moddiffy_jax import manifest
+    from moddiffy_jax.subnets import sparse_diff
+
+    manifest.write_manifest(
+        Path(export), fingerprint=sparse_diff.fingerprint(ctx.pretrained)
+    )
     return d
 
 
@@ -91,6 +100,7 @@ def run_one(
     steps: int,
     dtype: str,
     objective: str = "",
+    step_jit: str = "step",
 ):
     """Measures one configuration in this process; returns a dict.
 
@@ -115,6 +125,7 @@ def run_one(
         config.train.batch_size = batch
         config.data.max_length = length
         config.model.dtype = dtype
+        config.train.step_jit = step_jit
         config.data.synthetic.num_train = max(4 * batch, 256)
         if model == "tiny":
             config.model.init = "random"
@@ -142,7 +153,7 @@ def run_one(
     from moddiffy_jax.data import TrainIterator
 
     it = TrainIterator(ctx.data.splits["train"], batch_size=batch, seed=0)
-    step = jax.jit(common.make_train_step(substeps), donate_argnums=(0,))
+    step = train.compile_step(config, substeps)
     rng = jax.random.PRNGKey(1)
     t0 = time.perf_counter()
     state, metrics = step(state, frozen, next(it), rng)
@@ -165,6 +176,7 @@ def run_one(
         "length": length,
         "dtype": dtype,
         "objective": str(config.method.get("objective", "")),
+        "step_jit": step_jit,
         "substeps": [s.name for s in substeps],
         "compile_s": round(compile_s, 2),
         "step_s_median": round(median, 4),
@@ -199,6 +211,7 @@ def measure(
     steps: int,
     dtype: str = "float32",
     objective: str = "",
+    step_jit: str = "step",
 ) -> dict | None:
     """:func:`run_one` in a fresh subprocess (its own compile cache and peak
     RSS); None, with the subprocess's error on stderr, if it failed."""
@@ -220,6 +233,8 @@ def measure(
         dtype,
         "--objective",
         objective,
+        "--step-jit",
+        step_jit,
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -242,6 +257,11 @@ def main():
         default="",
         help="removal objective of debiasing methods (adversarial: the paper's)",
     )
+    parser.add_argument(
+        "--step-jit",
+        default="step",
+        help="config.train.step_jit: step (one program) or substeps",
+    )
     parser.add_argument("--out", default="benchmarks/results.jsonl")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -254,6 +274,7 @@ def main():
             args.steps,
             args.dtype,
             args.objective,
+            args.step_jit,
         )
         print("RESULT " + json.dumps(result))
         return
@@ -270,6 +291,7 @@ def main():
                 args.steps,
                 args.dtype,
                 args.objective,
+                args.step_jit,
             )
             if result is None:
                 continue

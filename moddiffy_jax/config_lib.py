@@ -145,6 +145,13 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # dev leakage of each attribute's own configuration; best.py).
     c.train.select_metric = "task"
     c.train.select_leakage_weight = 1.0
+    # How each phase's train step compiles. "step": one program (XLA overlaps
+    # the sub-steps' work; the fastest step). "substeps": one program per
+    # distinct sub-step, the attributes' debias sub-steps traced and compiled
+    # once when their removal settings agree (methods/common.py): on MiniLM
+    # MoDDiffy-par 40% less first-step compile, 13% slower steps
+    # (docs/speed.md); the tiny configs, where compiling dominates, use it.
+    c.train.step_jit = "step"
     c.train.checkpoint_every = 100
     c.train.keep_checkpoints = 2
     c.train.stop_at_step = 0  # >0: simulate a preemption after this step.
@@ -227,6 +234,7 @@ def set_tiny_model(c: ml_collections.ConfigDict) -> None:
     c.train.log_every = 2
     c.train.checkpoint_every = 2
     c.train.progress = False
+    c.train.step_jit = "substeps"
     c.data.max_length = 16
     c.data.synthetic.num_train = 64
     c.data.synthetic.num_dev = 32

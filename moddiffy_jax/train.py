@@ -22,7 +22,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -151,11 +151,34 @@ def train_and_evaluate(
         return _train_and_evaluate(config, workdir, method, allow_changed_inputs)
 
 
+STEP_JIT = ("step", "substeps")
+
+
+def step_jit_mode(config) -> str:
+    """``config.train.step_jit``, checked."""
+    mode = config.train.get("step_jit", "step")
+    if mode not in STEP_JIT:
+        raise ValueError(
+            f"config.train.step_jit={mode!r}; use one of {list(STEP_JIT)} "
+            '("step": one program per phase, the fastest step; "substeps": '
+            "one per distinct sub-step, the least compile time)."
+        )
+    return mode
+
+
+def compile_step(config, substeps) -> Callable:
+    """The phase's train step, compiled as ``config.train.step_jit`` says."""
+    if step_jit_mode(config) == "substeps":
+        return common.compile_train_step(substeps)
+    return jax.jit(common.make_train_step(substeps), donate_argnums=(0,))
+
+
 def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> dict:
     from moddiffy_jax.data import TrainIterator
 
     wall_start = time.time()
     best_lib.check_select(config)
+    step_jit_mode(config)  # a bad train.step_jit fails before anything runs
     requested = config  # what config.json holds; phases in epochs resolve below
     ctx = build_context(config)
     config = resolve_epochs(config, len(ctx.data.splits["train"]))
@@ -233,7 +256,7 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
                 state = ckpt.restore_state(restored_state, state)
                 restored_state = None
             frozen = parallel.replicate(frozen, ctx.mesh)
-            step_fn = jax.jit(common.make_train_step(substeps), donate_argnums=(0,))
+            step_fn = compile_step(config, substeps)
             n_steps = method.phase_steps(config, phase)
             logger.restart(global_step)
             while phase_step < n_steps:

@@ -2,6 +2,7 @@
 invariants, bad input. (The MoDDiffy-par run, its resumes and its data-parallel
 twins: tests/test_par_runs.py.)"""
 
+import dataclasses
 import importlib.util
 import pathlib
 
@@ -118,7 +119,7 @@ def test_task_distill_term_reads_the_core_without_gradient():
         "moddiffy_par", **{"method.task_distill": 2.0}
     )
     gender_only = [s for s in substeps if s.name == "debias/gender"]
-    loss = jax.jit(gender_only[0].loss)  # compiled: faster than op by op
+    loss = jax.jit(common.stored_loss(gender_only[0]))  # compiled: faster than op by op
     rng = jax.random.PRNGKey(0)
     _, terms = loss(state.trainable, frozen, batch, rng)
     assert float(terms["distill"]) >= 0.0 and np.isfinite(float(terms["distill"]))
@@ -151,9 +152,9 @@ def test_task_distill_term_reads_the_core_without_gradient():
     assert not any(np.any(np.asarray(g)) for g in jax.tree.leaves(grad))
     np.testing.assert_allclose(np.exp(np.asarray(teacher)).sum(-1), 1.0, rtol=1e-5)
     off = _first_step("moddiffy_par")[1]
-    _, terms_off = jax.jit([s for s in off if s.name == "debias/gender"][0].loss)(
-        state.trainable, frozen, batch, rng
-    )
+    _, terms_off = jax.jit(
+        common.stored_loss([s for s in off if s.name == "debias/gender"][0])
+    )(state.trainable, frozen, batch, rng)
     assert "distill" not in terms_off
 
 
@@ -194,7 +195,7 @@ def test_task_guard_backs_off_removal_while_the_diff_costs_the_task():
     )
     gender = [s for s in substeps if s.name == "debias/gender"][0]
     rng = jax.random.PRNGKey(0)
-    loss = jax.jit(gender.loss)  # compiled once: faster than op by op
+    loss = jax.jit(common.stored_loss(gender))  # compiled once: faster than op by op
     _, full = loss(state.trainable, frozen, batch, rng)
     _, quarter = loss(backed_off, frozen, batch, rng)
     np.testing.assert_allclose(
@@ -363,9 +364,9 @@ def test_removal_warms_up_from_zero():
     )
     gender = [s for s in substeps if s.name == "debias/gender"][0]
     rng = jax.random.PRNGKey(0)
-    _, full = gender.loss(state.trainable, frozen, batch, rng)
+    _, full = common.stored_loss(gender)(state.trainable, frozen, batch, rng)
     for step, factor in ((0, 0.0), (1, 0.25), (8, 1.0)):
-        _, terms = gender.loss(
+        _, terms = common.stored_loss(gender)(
             state.trainable, frozen, {**batch, common.STEP_KEY: step}, rng
         )
         np.testing.assert_allclose(
@@ -417,11 +418,71 @@ def test_post_core_and_head_bit_identical_after_step(finetune_run):
     assert "task_head" not in state.trainable
 
 
-def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch):
-    make = common.make_train_step
+def test_attributes_debias_sub_steps_trace_once_and_match_the_whole_step():
+    """With equal removal settings the attributes' debias sub-steps are one
+    loss over the attribute's view: the separately compiled step traces it
+    once (not once per attribute) and computes what one loss per attribute,
+    jitted as one program, computes: metric names and stored layout included."""
+    ctx, substeps, state, frozen, batch = _first_step("moddiffy_par")
+    debias = [s for s in substeps if s.name.startswith("debias/")]
+    assert [s.attribute for s in debias] == ["gender", "age"]
+    substeps = debias  # the task step is not shared (and compiles slowly)
+    state = state.replace(opt_states={s.name: state.opt_states[s.name] for s in debias})
+    assert debias[0].loss is debias[1].loss
+    traces = []
 
-    def poisoned(substeps):
-        step = make(substeps)
+    def counting(loss):
+        def traced(*args):
+            traces.append(loss)
+            return loss(*args)
+
+        return traced
+
+    wrapped = {id(s.loss): counting(s.loss) for s in substeps}
+    counted = [dataclasses.replace(s, loss=wrapped[id(s.loss)]) for s in substeps]
+    # The reference: one loss per attribute, written for its own name (as
+    # before the sharing), the whole step jitted as one program.
+    own = [
+        s
+        if s.attribute is None
+        else common.SubStep(
+            s.name,
+            common.stored_updates(s),
+            common.make_debias_loss(
+                ctx.model,
+                ctx.method,
+                s.attribute,
+                phase="l0",
+                diff_settings=ctx.diff_settings,
+                debias=ctx.debias,
+            ),
+            s.optimizer,
+        )
+        for s in substeps
+    ]
+    rng = jax.random.PRNGKey(3)
+    whole, m_whole = jax.jit(common.make_train_step(own))(state, frozen, batch, rng)
+    copy = jax.tree.map(jnp.array, state)  # the compiled step donates its input
+    split, m_split = common.compile_train_step(counted)(copy, frozen, batch, rng)
+    assert len(traces) == 1  # one debias loss for both attributes
+    assert sorted(m_split) == sorted(m_whole)
+    assert "debias/age/mmd/age" in m_split
+    for a, b in ((whole, split), (m_whole, m_split)):
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-6)
+    # Each attribute's own labels and diff: the two diffs moved apart.
+    gender, age = (
+        jax.tree.leaves(split.trainable["diffs"][a]) for a in ("gender", "age")
+    )
+    assert any(not np.array_equal(x, y) for x, y in zip(gender, age, strict=True))
+
+
+def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch):
+    make = common.compile_train_step
+
+    def poisoned(substeps, **kwargs):
+        step = make(substeps, **kwargs)
 
         def wrapped(state, frozen, batch, rng):
             new, metrics = step(state, frozen, batch, rng)
@@ -430,7 +491,7 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch):
 
         return wrapped
 
-    monkeypatch.setattr(common, "make_train_step", poisoned)
+    monkeypatch.setattr(common, "compile_train_step", poisoned)
     with pytest.raises(FloatingPointError, match="at step 5") as info:
         train.train_and_evaluate(tiny("finetune"), tmp_path)
     assert "last good checkpoint is step 4" in str(info.value)

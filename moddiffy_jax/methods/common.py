@@ -27,6 +27,7 @@ host-side pure function (see ``moddiffy_jax.train``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from moddiffy_jax import objectives
@@ -104,6 +106,44 @@ class SubStep:
     updates: tuple[Key, ...]
     loss: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
     optimizer: optax.GradientTransformation
+    # A sub-step of one attribute, written for every attribute: ``loss`` and
+    # ``updates`` name the attribute :data:`SHARED_ATTRIBUTE`, and the step
+    # runs it on :func:`attribute_view` of the state for ``attribute``
+    # (``attributes``: all of the run's). Sub-steps with the same ``loss``,
+    # ``optimizer`` and ``updates`` then trace and compile once for all the
+    # attributes whose parameters have the same shapes.
+    attribute: str | None = None
+    attributes: tuple[str, ...] = ()
+
+
+#: The attribute name a shared sub-step is written for (see SubStep).
+SHARED_ATTRIBUTE = "@attribute"
+
+
+def attribute_view(tree: Any, attributes: Sequence[str], attribute: str) -> Any:
+    """``tree`` as a shared sub-step sees ``attribute``: every dict keyed by
+    exactly the run's ``attributes`` becomes ``{SHARED_ATTRIBUTE: its entry
+    for attribute}``; other attributes' entries are left out."""
+    if not isinstance(tree, Mapping):
+        return tree
+    if set(tree) == set(attributes):
+        return {SHARED_ATTRIBUTE: tree[attribute]}
+    return {k: attribute_view(v, attributes, attribute) for k, v in tree.items()}
+
+
+def attribute_unview(full: Any, view: Any, attribute: str) -> Any:
+    """The inverse of :func:`attribute_view`: ``full`` with what ``view`` holds
+    (``SHARED_ATTRIBUTE`` entries written back under ``attribute``; entries
+    new in ``view`` are added, other attributes' are kept)."""
+    if not isinstance(view, Mapping):
+        return view
+    out = dict(full) if isinstance(full, Mapping) else {}
+    for k, v in view.items():
+        if k == SHARED_ATTRIBUTE:
+            out[attribute] = v
+        else:
+            out[k] = attribute_unview(out.get(k), v, attribute)
+    return out
 
 
 def get_part(tree: Mapping[str, Any], key: Key) -> Any:
@@ -133,6 +173,20 @@ def gather_parts(trainable: Mapping[str, Any], keys: Sequence[Key]) -> dict[str,
     out: dict[str, Any] = {}
     for key in keys:
         _nested_set(out, key, get_part(trainable, key))
+    return out
+
+
+def drop_parts(tree: Mapping[str, Any], keys: Sequence[Key]) -> dict[str, Any]:
+    """A copy of ``tree`` without the parts at ``keys`` (copies only the spine)."""
+    out = dict(tree)
+    for key in keys:
+        head, *rest = key
+        if head not in out:
+            continue
+        if rest:
+            out[head] = drop_parts(out[head], (tuple(rest),))
+        else:
+            del out[head]
     return out
 
 
@@ -289,11 +343,15 @@ def schedule_substeps(
     factor = lr_factor(schedule, warmup, phase_steps // k)
     scaled = {role: optax.scale_by_schedule(factor) for role in ROLES}
     scaled.update({role: optax.identity() for role in UNSCHEDULED_ROLES})
-    out = []
+    out, made = [], {}
     for sub in substeps:
-        opt = optax.chain(sub.optimizer, optax.partition(scaled, role_labels))
-        if k > 1:
-            opt = optax.MultiSteps(opt, every_k_schedule=k)
+        # One transformation per original one: shared sub-steps stay shared.
+        opt = made.get(id(sub.optimizer))
+        if opt is None:
+            opt = optax.chain(sub.optimizer, optax.partition(scaled, role_labels))
+            if k > 1:
+                opt = optax.MultiSteps(opt, every_k_schedule=k)
+            made[id(sub.optimizer)] = opt
         out.append(dataclasses.replace(sub, optimizer=opt))
     return out
 
@@ -709,50 +767,179 @@ def make_train_step(substeps: Sequence[SubStep]) -> Callable:
     Sub-steps run in order; each sees the parameters the previous ones
     produced. The step's randomness is ``fold_in(rng, state.step)`` and then
     ``fold_in(., i)`` for sub-step ``i``, so a resumed run draws the same
-    noise as an uninterrupted one.
+    noise as an uninterrupted one. Jitted whole, it is one program; see
+    :func:`compile_train_step` for one program per distinct sub-step.
     """
+    updates = [_substep_update(sub) for sub in substeps]
+
+    opt_trees: dict[int, Any] = {}
 
     def step(state: TrainState, frozen, batch, rng):
-        rng = jax.random.fold_in(rng, state.step)
-        trainable = state.trainable
-        opt_states = dict(state.opt_states)
-        metrics = {}
-        for i, sub in enumerate(substeps):
-            sub_rng = jax.random.fold_in(rng, i)
-            own = gather_parts(trainable, sub.updates)
-
-            def objective(own_, sub=sub, sub_rng=sub_rng, trainable=trainable):
-                full = scatter_parts(trainable, own_, sub.updates)
-                return sub.loss(full, frozen, {**batch, STEP_KEY: state.step}, sub_rng)
-
-            (total, terms), grads = jax.value_and_grad(objective, has_aux=True)(own)
-            updates, opt_states[sub.name] = sub.optimizer.update(
-                grads, opt_states[sub.name], own
-            )
-            own = optax.apply_updates(own, updates)
-            trainable = scatter_parts(trainable, own, sub.updates)
-            for key, value in terms.pop(STATE_KEY, {}).items():
-                trainable = set_part(trainable, key, value)
-            terms.update(terms.pop(INFO_KEY, {}))
-            metrics[f"{sub.name}/loss"] = total
-            metrics[f"{sub.name}/grad_norm"] = optax.global_norm(grads)
-            for name, value in terms.items():
-                metrics[f"{sub.name}/{name}"] = value
-        new_state = state.replace(
-            step=state.step + 1, trainable=trainable, opt_states=opt_states
-        )
-        return new_state, metrics
+        return _run_substeps(substeps, updates, opt_trees, state, frozen, batch, rng)
 
     return step
+
+
+def compile_train_step(substeps: Sequence[SubStep], *, donate: bool = True) -> Callable:
+    """The step of :func:`make_train_step`, the same arithmetic, with each
+    sub-step jitted on its own (its parameters and optimizer state donated)
+    and shared sub-steps (:class:`SubStep` ``attribute``) jitted once: the
+    attributes' debias sub-steps of a run then trace and compile once, not
+    once per attribute (docs/speed.md)."""
+    jitted: dict[tuple[int, int, tuple[Key, ...]], Callable] = {}
+    updates = []
+    for sub in substeps:
+        key = (id(sub.loss), id(sub.optimizer), sub.updates)
+        if sub.attribute is None or key not in jitted:
+            fn = jax.jit(_substep_update(sub), donate_argnums=(0, 1) if donate else ())
+            if sub.attribute is not None:
+                jitted[key] = fn
+        else:
+            fn = jitted[key]
+        updates.append(fn)
+
+    opt_trees: dict[int, Any] = {}
+
+    def step(state: TrainState, frozen, batch, rng):
+        return _run_substeps(substeps, updates, opt_trees, state, frozen, batch, rng)
+
+    return step
+
+
+def _substep_update(sub: SubStep) -> Callable:
+    """One sub-step's update of its parts ``own`` (the rest of the trainable
+    tree in ``rest``): ``(own, opt_state, state_updates, metrics)``."""
+
+    def update(own, opt_state, rest, frozen, batch, rng, step, index):
+        sub_rng = jax.random.fold_in(jax.random.fold_in(rng, step), index)
+
+        def objective(own_):
+            full = scatter_parts(rest, own_, sub.updates)
+            return sub.loss(full, frozen, {**batch, STEP_KEY: step}, sub_rng)
+
+        (total_, terms), grads = jax.value_and_grad(objective, has_aux=True)(own)
+        changes, opt_state = sub.optimizer.update(grads, opt_state, own)
+        own = optax.apply_updates(own, changes)
+        state_updates = terms.pop(STATE_KEY, {})
+        terms.update(terms.pop(INFO_KEY, {}))
+        metrics = {"loss": total_, "grad_norm": optax.global_norm(grads), **terms}
+        return own, opt_state, state_updates, metrics
+
+    return update
+
+
+def _run_substeps(substeps, updates, opt_trees, state: TrainState, frozen, batch, rng):
+    trainable = state.trainable
+    opt_states = dict(state.opt_states)
+    metrics = {}
+    for i, (sub, update) in enumerate(zip(substeps, updates, strict=True)):
+        attr = sub.attribute
+        view, frozen_view, batch_view = trainable, frozen, batch
+        opt_state = opt_states[sub.name]
+        if attr is not None:
+            view = attribute_view(trainable, sub.attributes, attr)
+            frozen_view = attribute_view(frozen, sub.attributes, attr)
+            batch_view = {**batch, "attrs": {SHARED_ATTRIBUTE: batch["attrs"][attr]}}
+            if i not in opt_trees:  # traced once, not every step
+                opt_trees[i] = _shared_opt_tree(sub, view)
+            opt_state = _retree(opt_state, opt_trees[i])
+        own = gather_parts(view, sub.updates)
+        rest = drop_parts(view, sub.updates)
+        own, opt_state, state_updates, terms = update(
+            own,
+            opt_state,
+            rest,
+            frozen_view,
+            batch_view,
+            rng,
+            state.step,
+            np.int32(i),
+        )
+        view = scatter_parts(rest, own, sub.updates)
+        for key, value in state_updates.items():
+            view = set_part(view, key, value)
+        if attr is None:
+            trainable = view
+        else:
+            trainable = attribute_unview(trainable, view, attr)
+            opt_state = _retree(opt_state, jax.tree.structure(opt_states[sub.name]))
+            terms = {k.replace(SHARED_ATTRIBUTE, attr): v for k, v in terms.items()}
+        opt_states[sub.name] = opt_state
+        for name, value in terms.items():
+            metrics[f"{sub.name}/{name}"] = value
+    new_state = state.replace(
+        step=state.step + 1, trainable=trainable, opt_states=opt_states
+    )
+    return new_state, metrics
+
+
+def _shared_opt_tree(sub: SubStep, view) -> Any:
+    """The tree structure of a shared sub-step's optimizer state (its
+    attribute's dict keys renamed, leaves in the same order: each
+    attribute-keyed dict of the trained parts holds one attribute)."""
+    own = gather_parts(view, sub.updates)
+    return jax.tree.structure(jax.eval_shape(sub.optimizer.init, own))
+
+
+def _retree(tree, treedef):
+    """The leaves of ``tree`` in the structure ``treedef``."""
+    leaves = jax.tree.leaves(tree)
+    if treedef.num_leaves != len(leaves):
+        raise ValueError(
+            f"optimizer state with {len(leaves)} leaves cannot take the shared "
+            f"sub-step's structure of {treedef.num_leaves}"
+        )
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def init_opt_states(
     substeps: Sequence[SubStep], trainable: Mapping[str, Any]
 ) -> dict[str, Any]:
+    """Each sub-step's optimizer state, over its parts as the state stores
+    them (a shared sub-step's under its own attribute's name)."""
     return {
-        sub.name: sub.optimizer.init(gather_parts(trainable, sub.updates))
+        sub.name: sub.optimizer.init(gather_parts(trainable, stored_updates(sub)))
         for sub in substeps
     }
+
+
+def stored_loss(sub: SubStep) -> Callable:
+    """``sub.loss`` over the trees as the state stores them (for a shared
+    sub-step: on its attribute's view, term names under the attribute's)."""
+    if sub.attribute is None:
+        return sub.loss
+
+    def loss(trainable, frozen, batch, rng):
+        view = functools.partial(
+            attribute_view, attributes=sub.attributes, attribute=sub.attribute
+        )
+        batch_view = {
+            **batch,
+            "attrs": {SHARED_ATTRIBUTE: batch["attrs"][sub.attribute]},
+        }
+        value, terms = sub.loss(view(trainable), view(frozen), batch_view, rng)
+        return value, _rename_terms(terms, sub.attribute)
+
+    return loss
+
+
+def _rename_terms(terms: Mapping[str, Any], attribute: str) -> dict[str, Any]:
+    out = {}
+    for k, v in terms.items():
+        if isinstance(k, str):
+            k = k.replace(SHARED_ATTRIBUTE, attribute)
+        out[k] = _rename_terms(v, attribute) if isinstance(v, Mapping) else v
+    return out
+
+
+def stored_updates(sub: SubStep) -> tuple[Key, ...]:
+    """``sub.updates`` as paths into the stored trainable tree."""
+    if sub.attribute is None:
+        return sub.updates
+    return tuple(
+        tuple(sub.attribute if k == SHARED_ATTRIBUTE else k for k in key)
+        for key in sub.updates
+    )
 
 
 def jnp_zero_step() -> jax.Array:

@@ -299,6 +299,29 @@ def debias_term(
     return out
 
 
+def attribute_settings(
+    settings: DebiasSettings, attribute: str, name: str
+) -> DebiasSettings | None:
+    """``settings`` as the removal terms of ``attribute`` read them, with the
+    attribute called ``name``: the per-attribute entries of that attribute
+    only, and only those its terms read. Two attributes whose results are
+    equal run the same arithmetic, so one loss (and one compiled program)
+    serves both (methods/common.py, ``SubStep.attribute``). None where the
+    terms need more than the settings (the adversaries are modules of the
+    model, one per attribute)."""
+    if settings.objective != "mmd":
+        return None
+    mode = settings.mmd_conditional_by_attr.get(attribute, settings.mmd_conditional)
+    reads_joint = mode in ("reweight", "residual")
+    return dataclasses.replace(
+        settings,
+        attr_classes={name: settings.attr_classes[attribute]},
+        attr_prior={},
+        attr_joint={name: settings.attr_joint[attribute]} if reads_joint else {},
+        mmd_conditional_by_attr={name: mode},
+    )
+
+
 def _fisher_strata(settings, attribute, mode, labels, task):
     """The [B] member weights of each stratum the running erasure compares
     the attribute's groups in (see :func:`fisher_pairs`)."""

@@ -130,24 +130,50 @@ def substeps(ctx, phase: str, trainable: dict) -> list[common.SubStep]:
         )
         subs.append(common.SubStep("task", tuple(updates), loss, optimizer))
     if method.debias == "modular":
+        head = "task_head" in trainable and not ctx.config.method.freeze_task_head
+        shared_losses: dict[str, Any] = {}
         for attr in ctx.attributes:
-            updates = [("diffs", attr)]
+            # Attributes whose removal terms read equal settings share one
+            # loss, written for common.SHARED_ATTRIBUTE (common.SubStep): their
+            # debias sub-steps trace and compile once.
+            settings = ctx.debias and removal.attribute_settings(
+                ctx.debias, attr, common.SHARED_ATTRIBUTE
+            )
+            name = attr if settings is None else common.SHARED_ATTRIBUTE
+            updates = [("diffs", name)]
             if adversarial:
-                updates.append(("adversaries", attr))
-            if "task_head" in trainable and not ctx.config.method.freeze_task_head:
+                updates.append(("adversaries", name))
+            if head:
                 updates.append(("task_head",))
-            loss = common.make_debias_loss(
-                ctx.model,
-                method,
-                attr,
-                phase=phase,
-                diff_settings=ctx.diff_settings,
-                debias=ctx.debias,
-                task_loss=task_loss,
-            )
-            subs.append(
-                common.SubStep(f"debias/{attr}", tuple(updates), loss, optimizer)
-            )
+
+            def make_loss(name=name, settings=settings):
+                return common.make_debias_loss(
+                    ctx.model,
+                    method,
+                    name,
+                    phase=phase,
+                    diff_settings=ctx.diff_settings,
+                    debias=ctx.debias if settings is None else settings,
+                    task_loss=task_loss,
+                )
+
+            if settings is None:
+                sub = common.SubStep(
+                    f"debias/{attr}", tuple(updates), make_loss(), optimizer
+                )
+            else:
+                if repr(settings) not in shared_losses:
+                    shared_losses[repr(settings)] = make_loss()
+                loss = shared_losses[repr(settings)]
+                sub = common.SubStep(
+                    f"debias/{attr}",
+                    tuple(updates),
+                    loss,
+                    optimizer,
+                    attribute=attr,
+                    attributes=tuple(ctx.attributes),
+                )
+            subs.append(sub)
     return subs
 
 
