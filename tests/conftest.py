@@ -43,6 +43,7 @@ def tokenizer():
 _LONG_MODULES = (
     "test_par_runs.py",
     "test_train.py",
+    "test_substeps.py",
     "test_vision.py",
     "test_ffw.py",
     "test_srnets.py",
