@@ -39,7 +39,10 @@ def tokenizer():
 
 
 # The longest modules first: with whole modules per worker (pyproject's
-# addopts), a long module collected last would run alone at the end.
+# addopts), a long module collected last would run alone at the end. (xdist's
+# loadfile scheduler queues modules by test count unless given
+# --no-loadscope-reorder; both orders measured the same within the host's
+# noise in stop 21, BENCHMARKS.md.)
 _LONG_MODULES = (
     "test_par_runs.py",
     "test_train.py",
