@@ -148,7 +148,7 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # How each phase's train step compiles. "step": one program (XLA overlaps
     # the sub-steps' work; the fastest step). "substeps": one program per
     # distinct sub-step, the attributes' debias sub-steps traced and compiled
-    # once when their removal settings agree (methods/common.py): on MiniLM
+    # once when their removal settings agree (methods/steps.py): on MiniLM
     # MoDDiffy-par 40% less first-step compile, 13% slower steps
     # (docs/speed.md); the tiny configs, where compiling dominates, use it.
     c.train.step_jit = "step"

@@ -306,7 +306,7 @@ def attribute_settings(
     attribute called ``name``: the per-attribute entries of that attribute
     only, and only those its terms read. Two attributes whose results are
     equal run the same arithmetic, so one loss (and one compiled program)
-    serves both (methods/common.py, ``SubStep.attribute``). None where the
+    serves both (methods/steps.py, ``SubStep.attribute``). None where the
     terms need more than the settings (the adversaries are modules of the
     model, one per attribute)."""
     if settings.objective != "mmd":
