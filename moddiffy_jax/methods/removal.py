@@ -101,6 +101,10 @@ class DebiasSettings:
     # "project" (each row's within-class deviation along the cells' offset
     # directions taken out) or "shift" (each row moved by its cell's offset).
     target_mode: str = "project"
+    # The MMD compares the attribute's groups over the current batch and the
+    # detached representations of this many previous batches (0 = the batch
+    # alone): larger groups at the cost of one batch (:func:`remembered`).
+    removal_memory: int = 0
 
 
 def config_fields() -> ml_collections.ConfigDict:
@@ -157,6 +161,11 @@ def config_fields() -> ml_collections.ConfigDict:
     f.target_weight = 0.0
     f.target_decay = 0.9
     f.target_mode = "project"
+    # Memory: the MMD's groups also hold the (detached) representations of
+    # this many previous batches with their attribute and task labels, so
+    # its task-conditional groups are as large as a batch (memory + 1)
+    # times the size, at the step cost of one batch. 0 = the batch alone.
+    f.removal_memory = 0
     # The removal terms ramp linearly from 0 to full weight over the first
     # steps (the running statistics are collected from step 0): in
     # MoDDiffy-par the core learns the task meanwhile. 0 = full from step 0.
@@ -229,7 +238,7 @@ def debias_term(
         settings.attr_joint.get(attribute) if mode in ("reweight", "residual") else None
     )
     out = {}
-    seen = None
+    seen = matrix = None
     raw = h
     if settings.mmd_whiten:
         by_cell = mode != "none" and settings.mmd_whiten_within == "cell"
@@ -283,6 +292,15 @@ def debias_term(
         out[STATE_KEY][(TARGET_STATS, attribute)] = cells
     if settings.mmd_weight == 0.0:
         return out
+    weights, factor = None, 1.0
+    if settings.removal_memory > 0:
+        rows, new_memory, factor = remembered(
+            trainable[REMOVAL_MEMORY][attribute], raw, labels, task
+        )
+        h = rows["h"] if matrix is None else rows["h"] @ matrix
+        labels, weights = rows["attr"], rows["valid"]
+        task = None if task is None else rows["task"]
+        out.setdefault(STATE_KEY, {})[(REMOVAL_MEMORY, attribute)] = new_memory
     value = objectives.mmd_loss(
         h,
         labels,
@@ -290,13 +308,80 @@ def debias_term(
         task=None if mode == "none" else task,
         num_task_classes=settings.num_task_classes,
         joint=None if joint is None else jnp.asarray(joint, jnp.float32),
+        weights=weights,
         kernel=settings.mmd_kernel,
         center_task=mode == "residual",
         whitened=settings.mmd_whiten,
         seen=seen,
     )
-    out[f"mmd/{attribute}"] = settings.mmd_weight * value
+    out[f"mmd/{attribute}"] = settings.mmd_weight * factor * value
     return out
+
+
+#: Where the MMD keeps each attribute's memory of previous batches (their
+#: detached representations and labels; updated through :data:`STATE_KEY`).
+REMOVAL_MEMORY = "removal_memory"
+
+
+def init_memory(
+    settings: DebiasSettings,
+    feature_dim: int,
+    attributes: Sequence[str],
+    batch_size: int,
+) -> dict[str, Any]:
+    """An empty memory of ``settings.removal_memory`` batches per attribute.
+    Labels are kept as floats (every leaf of the trainable tree is a float
+    array); ``valid`` marks the rows that hold an example."""
+    rows = settings.removal_memory * batch_size
+    return {
+        a: {
+            "h": jnp.zeros((rows, feature_dim), jnp.float32),
+            "attr": jnp.zeros((rows,), jnp.float32),
+            "task": jnp.zeros((rows,), jnp.float32),
+            "valid": jnp.zeros((rows,), jnp.float32),
+        }
+        for a in attributes
+    }
+
+
+def remembered(
+    memory: Mapping[str, jax.Array],
+    h: jax.Array,
+    labels: jax.Array,
+    task: jax.Array | None,
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array], jax.Array]:
+    """The rows the MMD compares with a memory, the memory after the step and
+    the factor on the term.
+
+    Returns ``(rows, new_memory, factor)``: ``rows`` holds the batch's
+    representations ``h`` (differentiated) followed by the memory's
+    (detached), with the attribute labels ``attr``, the task labels ``task``
+    (int) and ``valid`` weights (1 for the batch; the memory's own flags, 0
+    for rows not yet filled); ``new_memory`` is the memory with the batch
+    pushed in front and the oldest rows dropped. The memory's rows carry no
+    gradient, so with them the batch's own rows would pull a larger group's
+    share (``1 / n``) each: ``factor`` = (batch + filled memory rows) / batch
+    restores the pull of a batch as large as both.
+    """
+    b = h.shape[0]
+    task = jnp.zeros((b,), jnp.int32) if task is None else task
+    mem = jax.lax.stop_gradient(dict(memory))
+
+    def ints(new, old):
+        return jnp.concatenate([new.astype(jnp.int32), old.astype(jnp.int32)])
+
+    rows = {
+        "h": jnp.concatenate([h.astype(jnp.float32), mem["h"]]),
+        "attr": ints(labels, mem["attr"]),
+        "task": ints(task, mem["task"]),
+        "valid": jnp.concatenate([jnp.ones((b,), jnp.float32), mem["valid"]]),
+    }
+    size = mem["h"].shape[0]
+    new_memory = {
+        k: jax.lax.stop_gradient(v[:size]).astype(jnp.float32) for k, v in rows.items()
+    }
+    factor = (b + jnp.sum(mem["valid"])) / b
+    return rows, new_memory, factor
 
 
 def attribute_settings(
@@ -525,6 +610,7 @@ _LATER_FIELDS = (
     ("target_weight", 0.0),
     ("target_decay", 0.9),
     ("target_mode", "shift"),
+    ("removal_memory", 0),
 )
 
 
@@ -591,6 +677,20 @@ def settings_from_config(
                 "covariance: set config.method.objective='mmd' and "
                 f"config.method.mmd_whiten=True, or {key}=0."
             )
+    if (
+        fields["removal_memory"] < 0
+        or int(fields["removal_memory"]) != fields["removal_memory"]
+    ):
+        raise ValueError(
+            "config.method.removal_memory must be a whole number >= 0 (how many "
+            f"previous batches the MMD also compares; 0: the batch alone), got "
+            f"{fields['removal_memory']!r}."
+        )
+    if fields["removal_memory"] > 0 and method.objective != "mmd":
+        raise ValueError(
+            "config.method.removal_memory > 0 extends the MMD's groups: set "
+            "config.method.objective='mmd', or removal_memory=0."
+        )
     if fields["removal_warmup_steps"] < 0:
         raise ValueError(
             "config.method.removal_warmup_steps must be >= 0 (0: full removal "

@@ -92,6 +92,10 @@ def removal_parts(ctx, rng: jax.Array) -> dict[str, Any]:
             out[removal.FISHER_STATS] = removal.init_fisher_stats(
                 debias, model.feature_dim, ctx.attributes
             )
+        if debias.removal_memory > 0:
+            out[removal.REMOVAL_MEMORY] = removal.init_memory(
+                debias, model.feature_dim, ctx.attributes, ctx.config.train.batch_size
+            )
         if debias.target_weight > 0.0 and modular:
             out[removal.TARGET_STATS] = removal.init_target_stats(
                 debias, model.feature_dim, ctx.attributes
