@@ -70,6 +70,12 @@ def attribute_view(tree: Any, attributes: Sequence[str], attribute: str) -> Any:
     return {k: attribute_view(v, attributes, attribute) for k, v in tree.items()}
 
 
+def batch_attribute_view(batch: Mapping[str, Any], attribute: str) -> dict[str, Any]:
+    """``batch`` as a shared sub-step sees ``attribute``: its labels are the
+    only attribute labels, under ``SHARED_ATTRIBUTE``."""
+    return {**batch, "attrs": {SHARED_ATTRIBUTE: batch["attrs"][attribute]}}
+
+
 def attribute_unview(full: Any, view: Any, attribute: str) -> Any:
     """The inverse of :func:`attribute_view`: ``full`` with what ``view`` holds
     (``SHARED_ATTRIBUTE`` entries written back under ``attribute``; entries
@@ -221,7 +227,7 @@ def _run_substeps(substeps, updates, opt_trees, state: TrainState, frozen, batch
         if attr is not None:
             view = attribute_view(trainable, sub.attributes, attr)
             frozen_view = attribute_view(frozen, sub.attributes, attr)
-            batch_view = {**batch, "attrs": {SHARED_ATTRIBUTE: batch["attrs"][attr]}}
+            batch_view = batch_attribute_view(batch, attr)
             if i not in opt_trees:  # traced once, not every step
                 opt_trees[i] = _shared_opt_tree(sub, view)
             opt_state = _retree(opt_state, opt_trees[i])
@@ -295,10 +301,7 @@ def stored_loss(sub: SubStep) -> Callable:
         view = functools.partial(
             attribute_view, attributes=sub.attributes, attribute=sub.attribute
         )
-        batch_view = {
-            **batch,
-            "attrs": {SHARED_ATTRIBUTE: batch["attrs"][sub.attribute]},
-        }
+        batch_view = batch_attribute_view(batch, sub.attribute)
         value, terms = sub.loss(view(trainable), view(frozen), batch_view, rng)
         return value, _rename_terms(terms, sub.attribute)
 
