@@ -608,7 +608,7 @@ def make_debias_loss(
             kl = jnp.sum(jnp.exp(teacher) * (teacher - student), -1)
             terms["distill"] = debias.task_distill * jnp.mean(kl)
         anchor = None
-        if debias.target_weight > 0.0:
+        if removal.for_attribute(debias, attribute).target_weight > 0.0:
             anchor = _undebiased_representation(
                 model,
                 method,

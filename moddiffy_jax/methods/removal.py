@@ -105,6 +105,81 @@ class DebiasSettings:
     # detached representations of this many previous batches (0 = the batch
     # alone): larger groups at the cost of one batch (:func:`remembered`).
     removal_memory: int = 0
+    # Per-attribute weights of the removal terms (the fields of
+    # :data:`ATTRIBUTE_WEIGHTS`), overriding the ones above for that
+    # attribute only: {attribute: {field: weight}} (:func:`for_attribute`).
+    attribute_weights: Mapping[str, Mapping[str, float]] = dataclasses.field(
+        default_factory=dict
+    )
+
+
+#: The removal weights ``config.method.attribute_weights`` can set per
+#: attribute.
+ATTRIBUTE_WEIGHTS = ("mmd_weight", "fisher_weight", "target_weight", "adv_lambda")
+
+
+def for_attribute(settings: DebiasSettings, attribute: str) -> DebiasSettings:
+    """``settings`` with ``attribute``'s own weights in place of the shared
+    ones (and no per-attribute table left: what its removal terms read)."""
+    if not settings.attribute_weights:
+        return settings
+    own = dict(settings.attribute_weights.get(attribute, {}))
+    return dataclasses.replace(settings, attribute_weights={}, **own)
+
+
+def uses_weight(settings: DebiasSettings, field: str) -> bool:
+    """Whether any attribute's removal reads ``field`` (> 0): its running
+    statistics are then kept for every attribute."""
+    if getattr(settings, field) > 0.0:
+        return True
+    return any(w.get(field, 0.0) > 0.0 for w in settings.attribute_weights.values())
+
+
+def parse_attribute_weights(
+    text: str, attributes: Sequence[str]
+) -> dict[str, dict[str, float]]:
+    """``"age: fisher_weight=100, mmd_weight=5; gender: mmd_weight=3"`` as
+    ``{"age": {"fisher_weight": 100.0, "mmd_weight": 5.0}, "gender": ...}``.
+    A malformed entry, an attribute the run does not debias, a field that is
+    not a per-attribute weight or a negative weight raises a ``ValueError``
+    naming it."""
+    out: dict[str, dict[str, float]] = {}
+    where = "config.method.attribute_weights"
+    form = "'attribute: field=value, field=value; attribute: ...'"
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        attribute, sep, rest = entry.partition(":")
+        attribute = attribute.strip()
+        if not sep or not attribute:
+            raise ValueError(f"{where}: {entry!r} is not of the form {form}.")
+        if attribute not in attributes:
+            raise ValueError(
+                f"{where}: {attribute!r} is not an attribute this run debiases "
+                f"({list(attributes)})."
+            )
+        if attribute in out:
+            raise ValueError(f"{where}: attribute {attribute!r} is given twice.")
+        own = out[attribute] = {}
+        for item in filter(None, (i.strip() for i in rest.split(","))):
+            field, sep, value = (x.strip() for x in item.partition("="))
+            if not sep:
+                raise ValueError(f"{where}: {item!r} is not field=value ({form}).")
+            if field not in ATTRIBUTE_WEIGHTS:
+                raise ValueError(
+                    f"{where}: {field!r} cannot be set per attribute; one of "
+                    f"{ATTRIBUTE_WEIGHTS}."
+                )
+            try:
+                weight = float(value)
+            except ValueError:
+                raise ValueError(
+                    f"{where}: {attribute}'s {field}={value!r} is not a number."
+                ) from None
+            if not weight >= 0.0:
+                raise ValueError(
+                    f"{where}: {attribute}'s {field} must be >= 0, got {weight}."
+                )
+            own[field] = weight
+    return out
 
 
 def config_fields() -> ml_collections.ConfigDict:
@@ -166,6 +241,11 @@ def config_fields() -> ml_collections.ConfigDict:
     # its task-conditional groups are as large as a batch (memory + 1)
     # times the size, at the step cost of one batch. 0 = the batch alone.
     f.removal_memory = 0
+    # Per-attribute removal weights, overriding the shared ones above for the
+    # attributes named: "age: fisher_weight=100, mmd_weight=5; gender:
+    # mmd_weight=3" (fields: mmd_weight, fisher_weight, target_weight,
+    # adv_lambda). Empty: every attribute reads the shared weights.
+    f.attribute_weights = ""
     # The removal terms ramp linearly from 0 to full weight over the first
     # steps (the running statistics are collected from step 0): in
     # MoDDiffy-par the core learns the task meanwhile. 0 = full from step 0.
@@ -206,6 +286,7 @@ def debias_term(
     ``anchor`` [B, H]: the same inputs' representations without the diff
     (under the same dropout), which the erased-target term needs.
     """
+    settings = for_attribute(settings, attribute)
     if settings.objective == "adversarial":
         params = trainable["adversaries"][attribute]
         if settings.adv_loss == "grl":
@@ -399,7 +480,7 @@ def attribute_settings(
     mode = settings.mmd_conditional_by_attr.get(attribute, settings.mmd_conditional)
     reads_joint = mode in ("reweight", "residual")
     return dataclasses.replace(
-        settings,
+        for_attribute(settings, attribute),
         attr_classes={name: settings.attr_classes[attribute]},
         attr_prior={},
         attr_joint={name: settings.attr_joint[attribute]} if reads_joint else {},
@@ -611,6 +692,7 @@ _LATER_FIELDS = (
     ("target_decay", 0.9),
     ("target_mode", "shift"),
     ("removal_memory", 0),
+    ("attribute_weights", ""),
 )
 
 
@@ -635,6 +717,9 @@ def settings_from_config(
             f"{DEBIAS_OBJECTIVES}."
         )
     fields = {key: method.get(key, old) for key, old in _LATER_FIELDS}
+    fields["attribute_weights"] = parse_attribute_weights(
+        fields["attribute_weights"], list(attr_classes)
+    )
     for key, valid in (
         ("adv_loss", ADV_LOSSES),
         ("mmd_kernel", objectives_mmd.KERNELS),
@@ -664,12 +749,15 @@ def settings_from_config(
         ("fisher_weight", "the running linear erasure"),
         ("target_weight", "the erased targets"),
     ):
+        per_attribute = [
+            w[key] for w in fields["attribute_weights"].values() if key in w
+        ]
         if fields[key] < 0.0:
             raise ValueError(
                 f"config.method.{key} must be >= 0 (0 turns {term} off), "
                 f"got {fields[key]}."
             )
-        if fields[key] > 0.0 and not (
+        if max([fields[key], *per_attribute]) > 0.0 and not (
             method.objective == "mmd" and fields["mmd_whiten"]
         ):
             raise ValueError(

@@ -88,7 +88,7 @@ def removal_parts(ctx, rng: jax.Array) -> dict[str, Any]:
             out[removal.MMD_STATS] = removal.init_mmd_stats(
                 model.feature_dim, ctx.attributes
             )
-        if debias.fisher_weight > 0.0:
+        if removal.uses_weight(debias, "fisher_weight"):
             out[removal.FISHER_STATS] = removal.init_fisher_stats(
                 debias, model.feature_dim, ctx.attributes
             )
@@ -96,7 +96,7 @@ def removal_parts(ctx, rng: jax.Array) -> dict[str, Any]:
             out[removal.REMOVAL_MEMORY] = removal.init_memory(
                 debias, model.feature_dim, ctx.attributes, ctx.config.train.batch_size
             )
-        if debias.target_weight > 0.0 and modular:
+        if removal.uses_weight(debias, "target_weight") and modular:
             out[removal.TARGET_STATS] = removal.init_target_stats(
                 debias, model.feature_dim, ctx.attributes
             )

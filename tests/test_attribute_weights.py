@@ -1,0 +1,111 @@
+"""Per-attribute removal weights (config.method.attribute_weights)."""
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from moddiffy_jax.methods import common, removal
+from tests.test_substeps import _first_step
+
+
+def _settings(**overrides):
+    method = removal.config_fields().to_dict()
+    method.update(overrides)
+    return removal.settings_from_config(
+        ml_collections.ConfigDict(method),
+        attr_classes={"gender": 2, "age": 2},
+        attr_prior={},
+        attr_joint={},
+        num_task_classes=2,
+        batch_size=8,
+    )
+
+
+def test_the_table_is_read_per_attribute_and_resolved_for_each():
+    settings = _settings(
+        mmd_weight=10.0,
+        fisher_weight=10.0,
+        attribute_weights=" age: fisher_weight=100, mmd_weight=5 ;gender:mmd_weight=.5",
+    )
+    assert settings.attribute_weights == {
+        "age": {"fisher_weight": 100.0, "mmd_weight": 5.0},
+        "gender": {"mmd_weight": 0.5},
+    }
+    age = removal.for_attribute(settings, "age")
+    gender = removal.for_attribute(settings, "gender")
+    assert (age.fisher_weight, age.mmd_weight) == (100.0, 5.0)
+    assert (gender.fisher_weight, gender.mmd_weight) == (10.0, 0.5)
+    assert age.attribute_weights == {} == gender.attribute_weights
+    # The shared program's settings carry the attribute's own weights.
+    shared = removal.attribute_settings(settings, "age", "shared")
+    assert (shared.fisher_weight, shared.mmd_weight) == (100.0, 5.0)
+    assert _settings().attribute_weights == {}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("height: mmd_weight=1", "'height' is not an attribute this run debiases"),
+        ("age: mmd_kernel=1", "'mmd_kernel' cannot be set per attribute"),
+        ("age: mmd_weight=lots", "is not a number"),
+        ("age: mmd_weight=-1", "must be >= 0"),
+        ("age: mmd_weight=nan", "must be >= 0"),
+        ("age mmd_weight=1", "is not of the form"),
+        ("age: mmd_weight", "is not field=value"),
+        ("age: mmd_weight=1; age: fisher_weight=2", "given twice"),
+    ],
+)
+def test_a_bad_table_names_the_entry(text, message):
+    with pytest.raises(ValueError, match=message) as err:
+        _settings(attribute_weights=text)
+    assert "config.method.attribute_weights" in str(err.value)
+
+
+def test_a_per_attribute_erasure_weight_needs_the_whitened_mmd():
+    with pytest.raises(ValueError, match="reads the whitened MMD"):
+        _settings(
+            mmd_whiten=False,
+            fisher_weight=0.0,
+            attribute_weights="age: fisher_weight=1",
+        )
+
+
+def _debias_metrics(**overrides):
+    ctx, substeps, state, frozen, batch = _first_step("moddiffy_par", **overrides)
+    debias = [s for s in substeps if s.name.startswith("debias/")]
+    state = state.replace(opt_states={s.name: state.opt_states[s.name] for s in debias})
+    new, metrics = jax.jit(common.make_train_step(debias))(
+        state, frozen, batch, jax.random.PRNGKey(5)
+    )
+    return debias, new, metrics
+
+
+def test_each_attribute_trains_with_its_own_weights():
+    """The age diff with ``age: fisher_weight=3`` steps as under a shared
+    weight of 3, the gender diff as under the shared weight of 0; the two
+    attributes no longer share one debias loss."""
+    debias, new, mixed = _debias_metrics(
+        **{
+            "method.fisher_weight": 0.0,
+            "method.attribute_weights": "age: fisher_weight=3",
+        }
+    )
+    assert debias[0].loss is not debias[1].loss
+    assert "debias/age/fisher/age" in mixed
+    assert "debias/gender/fisher/gender" not in mixed
+    _, new_on, on = _debias_metrics(**{"method.fisher_weight": 3.0})
+    _, new_off, off = _debias_metrics(**{"method.fisher_weight": 0.0})
+    for attribute, reference, moved in (("age", on, new_on), ("gender", off, new_off)):
+        names = [k for k in mixed if k.startswith(f"debias/{attribute}/")]
+        assert names == [k for k in reference if k.startswith(f"debias/{attribute}/")]
+        for k in names:
+            np.testing.assert_allclose(mixed[k], reference[k], rtol=1e-5, atol=1e-7)
+        for x, y in zip(
+            jax.tree.leaves(new.trainable["diffs"][attribute]),
+            jax.tree.leaves(moved.trainable["diffs"][attribute]),
+            strict=True,
+        ):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+    assert np.any(np.asarray(new.trainable[removal.FISHER_STATS]["age"]["diff"]))
+    assert not np.any(np.asarray(new.trainable[removal.FISHER_STATS]["gender"]["diff"]))
