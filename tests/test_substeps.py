@@ -125,6 +125,20 @@ def test_task_guard_backs_off_removal_while_the_diff_costs_the_task():
         state = update(state, jnp.asarray(0.9), jnp.asarray(0.9))
     assert float(state["backoff"]) == 0.0  # clipped at 0, never a boost.
 
+    # From task_guard_start on: before it the gap is tracked, the weight kept.
+    late = dataclasses.replace(settings, task_guard_start=5)
+    state = {"gap": jnp.zeros(()), "backoff": jnp.zeros(())}
+    for step in range(5):
+        state = removal.guard_update(
+            state, jnp.asarray(0.9), jnp.asarray(0.7), late, jnp.asarray(step)
+        )
+        assert float(state["backoff"]) == 0.0
+    assert float(state["gap"]) > 0.1
+    moved = removal.guard_update(
+        state, jnp.asarray(0.9), jnp.asarray(0.7), late, jnp.asarray(5)
+    )
+    assert float(moved["backoff"]) > 0.2
+
     ctx, substeps, state, frozen, batch = _first_step(
         "moddiffy_par", **{"method.task_guard": True}
     )

@@ -144,6 +144,8 @@ def test_unknown_attribute_and_method(tmp_path):
         ("task_distill", -1.0, "task_distill must be in"),
         ("task_guard_decay", 1.0, "task_guard_decay must be in"),
         ("task_guard_rate", -1.0, "task_guard_rate must be in"),
+        ("task_guard_start", -1, "task_guard_start must be >= 0"),
+        ("attribute_weights", "race: mmd_weight=1", "not an attribute this run"),
         ("fisher_weight", -1.0, "fisher_weight must be >= 0"),
         ("fisher_decay", 1.0, "fisher_decay must be in"),
         ("removal_warmup_steps", -5, "removal_warmup_steps must be >= 0"),

@@ -562,6 +562,7 @@ def _guarded(removed, trainable, batch, logits, attribute, debias, core_acc):
         core_acc=reference,
         diff_acc=_accuracy(logits, batch["task"]),
         settings=debias,
+        step=batch.get(STEP_KEY),
     )
 
 

@@ -82,6 +82,10 @@ class DebiasSettings:
     task_guard_rate: float = 1.0
     task_guard_decay: float = 0.9
     task_guard_max: float = 4.6  # the removal weight never falls below 1 %.
+    # The backoff stays at 0 before this step (the running gap is tracked from
+    # step 0): a dense diff early in the L0 phase trails the core whatever the
+    # removal weight, until pruning brings it to its budget.
+    task_guard_start: int = 0
     # Running linear erasure (objectives/erasure.py): weight (0 = off) and the
     # decay of the running group-mean differences. Needs the whitened MMD's
     # running covariance (objective "mmd", mmd_whiten).
@@ -262,6 +266,11 @@ def config_fields() -> ml_collections.ConfigDict:
     f.task_guard_slack = 0.01
     f.task_guard_rate = 1.0
     f.task_guard_decay = 0.9
+    # The step the guard starts moving the weights at (0: from the start).
+    # Measured on MiniLM (docs/efficacy.md, "Stop 23"): until gradual pruning
+    # reaches the budget the dense diffs trail the core by 10-36 points at
+    # any removal weight, and a guard from step 0 gives the removal up.
+    f.task_guard_start = 0
     f.freeze_task_head = False  # in modular debias steps.
     f.adversary = ml_collections.ConfigDict({"members": 5, "hidden": 1, "dropout": 0.3})
     return f
@@ -594,17 +603,22 @@ def guard_update(
     core_acc: jax.Array,
     diff_acc: jax.Array,
     settings: DebiasSettings,
+    step: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """One dual-ascent step of an attribute's task guard.
 
     ``gap`` is an EMA of (core accuracy - diff accuracy) on the training
     batches; ``backoff`` (the log of the factor the removal weight is divided
-    by) moves by ``rate * (gap - slack)`` and stays in ``[0, max]``.
+    by) moves by ``rate * (gap - slack)`` and stays in ``[0, max]``; before
+    train step ``task_guard_start`` it stays where it is (``step`` None: a
+    loss called outside the train step, the guard moves).
     """
     d = settings.task_guard_decay
     gap = d * state["gap"] + (1.0 - d) * (core_acc - diff_acc)
-    step = settings.task_guard_rate * (gap - settings.task_guard_slack)
-    backoff = jnp.clip(state["backoff"] + step, 0.0, settings.task_guard_max)
+    move = settings.task_guard_rate * (gap - settings.task_guard_slack)
+    if settings.task_guard_start > 0 and step is not None:
+        move = jnp.where(jnp.asarray(step) >= settings.task_guard_start, move, 0.0)
+    backoff = jnp.clip(state["backoff"] + move, 0.0, settings.task_guard_max)
     return {"gap": gap, "backoff": backoff}
 
 
@@ -616,13 +630,14 @@ def guarded(
     core_acc: jax.Array,
     diff_acc: jax.Array,
     settings: DebiasSettings,
+    step: jax.Array | None = None,
 ) -> dict[str, Any]:
     """``removed`` (an attribute's removal terms) scaled by ``exp(-backoff)``
     of the guard's ``state`` before this step, with the guard's update (under
     :data:`STATE_KEY`) and its running gap and weight (under :data:`INFO_KEY`).
     The adversaries' own fit under ``adv_loss="confusion"`` is not removal and
     is not scaled."""
-    new = guard_update(state, core_acc, diff_acc, settings)
+    new = guard_update(state, core_acc, diff_acc, settings, step)
     scale = jnp.exp(-jax.lax.stop_gradient(state["backoff"]))
     out = scaled(removed, scale, settings)
     out.setdefault(STATE_KEY, {}).update(
@@ -685,6 +700,7 @@ _LATER_FIELDS = (
     ("task_guard_slack", 0.01),
     ("task_guard_rate", 1.0),
     ("task_guard_decay", 0.9),
+    ("task_guard_start", 0),
     ("fisher_weight", 0.0),
     ("fisher_decay", 0.95),
     ("removal_warmup_steps", 0),
@@ -778,6 +794,11 @@ def settings_from_config(
         raise ValueError(
             "config.method.removal_memory > 0 extends the MMD's groups: set "
             "config.method.objective='mmd', or removal_memory=0."
+        )
+    if fields["task_guard_start"] < 0:
+        raise ValueError(
+            "config.method.task_guard_start must be >= 0 (the step the task "
+            f"guard starts at; 0: from the start), got {fields['task_guard_start']}."
         )
     if fields["removal_warmup_steps"] < 0:
         raise ValueError(
