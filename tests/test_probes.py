@@ -266,3 +266,40 @@ def test_probes_do_not_read_a_shrunk_representation_as_removal():
         ensemble[0].test_balanced_accuracy,
         atol=0.02,
     )
+
+
+def _hidden(n, rng, *, width=16, signal=0.05):
+    """The attribute on a direction spread over every feature that holds
+    almost no variance: ``signal`` * (2y - 1) plus a quarter of it as noise;
+    every other direction holds unit variance."""
+    y = rng.integers(0, 2, n)
+    u = np.ones(width) / math.sqrt(width)
+    x = rng.normal(size=(n, width))
+    x -= np.outer(x @ u, u)
+    x += np.outer(signal * (2 * y - 1) + 0.25 * signal * rng.normal(size=n), u)
+    return x.astype(np.float32), y
+
+
+def test_the_whitened_attacker_reads_an_attribute_hidden_in_a_small_direction():
+    """Per-feature standardization leaves such a direction small, and a probe
+    trained by gradient steps with weight decay misses it in the same
+    steps; in the train split's own metric it is plain."""
+    rng = np.random.default_rng(0)
+    splits = [a for n in (512, 256, 256) for a in _hidden(n, rng)]
+    config = probes.ProbeConfig(members=3, seeds=(0,), max_epochs=10, lr=3e-3)
+    white = probes.train_probe_ensemble(*splits, num_classes=2, config=config)
+    plain = probes.train_probe_ensemble(
+        *splits, num_classes=2, config=dataclasses.replace(config, whiten=False)
+    )
+    assert white.summary()["test_balanced_accuracy/mean"] > 0.95
+    assert plain.summary()["test_balanced_accuracy/mean"] < 0.65
+
+
+def test_the_whitener_maps_train_to_unit_covariance():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(400, 6)) @ rng.normal(size=(6, 6)) + 3.0
+    mean, matrix = probes.probe_inputs.whitener(x, ridge=1e-9)
+    cov = np.cov((x - mean) @ matrix, rowvar=False)
+    np.testing.assert_allclose(cov, np.eye(6), atol=1e-3)
+    with pytest.raises(ValueError, match="whiten_ridge must be > 0"):
+        probes.ProbeConfig(whiten_ridge=0.0)

@@ -96,6 +96,10 @@ class ProbeConfig:
         split's per-feature mean and standard deviation (see
         :func:`standardizer`); off = the raw representations, as the
         reference's attacker reads them.
+      whiten: Probe the representations whitened with the train split's
+        covariance (:func:`probe_inputs.whitener`; in place of
+        ``standardize``): leakage invariant to any invertible linear map.
+      whiten_ridge: The whitening's ridge, times the mean eigenvalue.
     """
 
     members: int = 5
@@ -110,12 +114,19 @@ class ProbeConfig:
     class_weighted: bool = False
     eval_batch_size: int = 1024
     standardize: bool = True
+    whiten: bool = True
+    whiten_ridge: float = 0.01
 
     def __post_init__(self):
         if self.members < 1 or self.batch_size < 1 or self.max_epochs < 1:
             raise ValueError(f"members, batch_size, max_epochs must be >= 1: {self}")
         if not self.seeds:
             raise ValueError("ProbeConfig.seeds is empty.")
+        if not self.whiten_ridge > 0.0:
+            raise ValueError(
+                f"whiten_ridge must be > 0 (keeps the covariance invertible), "
+                f"got {self.whiten_ridge}."
+            )
         if self.patience is not None and self.patience < 1:
             raise ValueError(f"patience must be >= 1 or None, got {self.patience}.")
 
@@ -469,7 +480,12 @@ def train_probe_ensemble(
         {"train": (train_h, train_y), "dev": (dev_h, dev_y), "test": (test_h, test_y)},
         num_classes,
     )
-    splits, _, _ = probe_inputs.standardized(splits, config.standardize)
+    splits = probe_inputs.prepared(
+        splits,
+        standardize=config.standardize,
+        whiten=config.whiten,
+        ridge=config.whiten_ridge,
+    )
     class_w = probe_inputs.class_weights(
         splits["train"][1], num_classes, config.class_weighted
     )

@@ -49,14 +49,20 @@ def format_report(results: Mapping[str, Any]) -> str:
     bias_splits = _bias_splits(results)
     ood_names = _ood_names(results)
     synthetic = " (SYNTHETIC data)" if results.get("synthetic") else ""
+    probe = results["probe_config"]
+    # Runs evaluated before stop 23 (no "whiten") read standardized features,
+    # before stop 12 (no "standardize") the raw ones.
+    metric = "whitened" if probe.get("whiten", False) else "standardized"
+    if not probe.get("whiten", False) and not probe.get("standardize", False):
+        metric = "as they are (not standardized)"
     lines = [
         f"# Composition matrix: {results['method']} on {results['dataset']}{synthetic}",
         "",
         "Task metrics use the run's task head. Leakage is the balanced accuracy of "
-        "attacker probes on frozen CLS representations (test split; ensemble of "
-        f"{results['probe_config']['members']} probes, mean ± std over seeds "
-        f"{tuple(results['probe_config']['seeds'])}); lower is better, chance is "
-        "1/#classes. `lin` is a linear probe.",
+        f"attacker probes on frozen CLS representations, {metric} with the train "
+        f"split's statistics (test split; ensemble of {probe['members']} probes, "
+        f"mean ± std over seeds {tuple(probe['seeds'])}); lower is better, chance "
+        "is 1/#classes. `lin` is a linear probe.",
         "",
     ]
     if bias_splits:
