@@ -99,6 +99,7 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
     diff_settings = None
     if "diff" in config:  # only the diff family's configs carry it.
         check_prune_config(config.diff)
+        check_frozen_core(config)
         diff_settings = common.DiffSettings(
             hc=hard_concrete.HardConcrete(
                 left=config.diff.left,
@@ -237,6 +238,27 @@ PRUNE_SCHEDULES = ("gradual", "final")
 
 
 PRUNE_SCORES = ("magnitude", "taylor")
+
+
+def check_frozen_core(config: ml_collections.ConfigDict) -> None:
+    """``diff.freeze_core_in_fixmask`` stops the task sub-step: only
+    MoDDiffy-par trains a core beside its diffs, and the task guard reads the
+    core's accuracy from that sub-step."""
+    if not config.diff.get("freeze_core_in_fixmask", False):
+        return
+    if config.method.name != "moddiffy_par":
+        raise ValueError(
+            "config.diff.freeze_core_in_fixmask=True stops the core's task "
+            "steps in the fixmask phase; only moddiffy_par trains a core beside "
+            f"its diffs (method {config.method.name!r}): set it to False."
+        )
+    if config.method.get("task_guard", False):
+        raise ValueError(
+            "config.diff.freeze_core_in_fixmask=True with config.method."
+            "task_guard=True: the guard compares each diff with the core's "
+            "accuracy from the task step, which the fixmask phase then skips; "
+            "turn one of them off."
+        )
 
 
 def check_prune_config(d: ml_collections.ConfigDict) -> None:

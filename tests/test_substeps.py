@@ -410,3 +410,21 @@ def test_attributes_debias_sub_steps_trace_once_and_match_the_whole_step():
         jax.tree.leaves(split.trainable["diffs"][a]) for a in ("gender", "age")
     )
     assert any(not np.array_equal(x, y) for x, y in zip(gender, age, strict=True))
+
+
+def test_a_frozen_core_in_fixmask_drops_the_task_sub_step():
+    ctx, substeps, state, frozen, batch = _first_step(
+        "moddiffy_par", **{"diff.freeze_core_in_fixmask": True}
+    )
+    assert [s.name for s in substeps][0] == "task"  # the L0 phase trains it
+    fixmask = ctx.method.substeps(ctx, "fixmask", state.trainable)
+    assert [s.name for s in fixmask] == ["debias/gender", "debias/age"]
+    paper = _first_step("moddiffy_par")[0]
+    assert ctx.method.substeps(paper, "fixmask", state.trainable)[0].name == "task"
+    for method, extra, message in (
+        ("diffprun", {}, "only moddiffy_par trains a core"),
+        ("moddiffy_par", {"method.task_guard": True}, "turn one of them off"),
+    ):
+        config = tiny(method, **{"diff.freeze_core_in_fixmask": True, **extra})
+        with pytest.raises(ValueError, match=message):
+            train.build_context(config)

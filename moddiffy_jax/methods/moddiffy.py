@@ -273,7 +273,21 @@ def diff_config() -> ml_collections.ConfigDict:
     # of the L0 phase leaves the rest of it, and fixmask, at the budget.
     d.prune_start = 0.05
     d.prune_end = 0.4
+    # MoDDiffy-par: the core (and the task head's task step) stops training
+    # at the end of the L0 phase, so the diffs spend fixmask on the core
+    # they are exported with instead of one that keeps moving under them.
+    # False: the paper's loop, the core trains in both phases.
+    d.freeze_core_in_fixmask = False
     return d
+
+
+def substeps(ctx, phase: str, trainable: dict) -> list[common.SubStep]:
+    """The standard sub-steps; in fixmask without the task sub-step when
+    ``diff.freeze_core_in_fixmask`` (MoDDiffy-par; context.check_frozen_core)."""
+    subs = standard.substeps(ctx, phase, trainable)
+    if phase == "fixmask" and ctx.config.diff.get("freeze_core_in_fixmask", False):
+        subs = [s for s in subs if s.name != "task"]
+    return subs
 
 
 def _family(name: str, encoder: str, debias: str, description: str) -> Method:
@@ -283,6 +297,7 @@ def _family(name: str, encoder: str, debias: str, description: str) -> Method:
         debias,
         description,
         phases_of=two_phases,
+        substeps=substeps,
         after_step=after_step,
         transition=to_fixmask,
         checkpoint_extra=checkpoint_extra,
