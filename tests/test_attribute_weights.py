@@ -82,8 +82,9 @@ def _debias_metrics(**overrides):
 
 
 def test_each_attribute_trains_with_its_own_weights():
-    """The age diff with ``age: fisher_weight=3`` steps as under a shared
-    weight of 3, the gender diff as under the shared weight of 0; the two
+    """The age diff with ``age: fisher_weight=3`` steps exactly as under a
+    shared weight of 3; the gender diff keeps the shared weight 0 (no erasure
+    term, the same MMD and task terms on the same first batch); the two
     attributes no longer share one debias loss."""
     debias, new, mixed = _debias_metrics(
         **{
@@ -92,20 +93,21 @@ def test_each_attribute_trains_with_its_own_weights():
         }
     )
     assert debias[0].loss is not debias[1].loss
-    assert "debias/age/fisher/age" in mixed
-    assert "debias/gender/fisher/gender" not in mixed
     _, new_on, on = _debias_metrics(**{"method.fisher_weight": 3.0})
-    _, new_off, off = _debias_metrics(**{"method.fisher_weight": 0.0})
-    for attribute, reference, moved in (("age", on, new_on), ("gender", off, new_off)):
-        names = [k for k in mixed if k.startswith(f"debias/{attribute}/")]
-        assert names == [k for k in reference if k.startswith(f"debias/{attribute}/")]
-        for k in names:
-            np.testing.assert_allclose(mixed[k], reference[k], rtol=1e-5, atol=1e-7)
-        for x, y in zip(
-            jax.tree.leaves(new.trainable["diffs"][attribute]),
-            jax.tree.leaves(moved.trainable["diffs"][attribute]),
-            strict=True,
-        ):
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+    age = [k for k in on if k.startswith("debias/age/")]
+    assert "debias/age/fisher/age" in age
+    assert sorted(k for k in mixed if k.startswith("debias/age/")) == sorted(age)
+    for k in age:
+        np.testing.assert_allclose(mixed[k], on[k], rtol=1e-5, atol=1e-7)
+    for x, y in zip(
+        jax.tree.leaves(new.trainable["diffs"]["age"]),
+        jax.tree.leaves(new_on.trainable["diffs"]["age"]),
+        strict=True,
+    ):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+    assert "debias/gender/fisher/gender" not in mixed
+    for k in ("debias/gender/mmd/gender", "debias/gender/task"):
+        np.testing.assert_allclose(mixed[k], on[k], rtol=1e-5, atol=1e-7)
+    assert "debias/gender/fisher/gender" in on
     assert np.any(np.asarray(new.trainable[removal.FISHER_STATS]["age"]["diff"]))
     assert not np.any(np.asarray(new.trainable[removal.FISHER_STATS]["gender"]["diff"]))
