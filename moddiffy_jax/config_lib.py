@@ -163,6 +163,9 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.eval.leakage = True
     c.eval.probe_seeds = (0, 1, 2)
     c.eval.probe_epochs = 40
+    # The attackers read the representations whitened with the train split's
+    # covariance (False: standardized per feature; docs/efficacy.md, stop 23).
+    c.eval.probe_whiten = True
     c.eval.inlp = True
     # With train.eval_every: fresh linear probes (class-balanced, fit on the
     # first probe_max_train train rows) measure dev leakage of the core and

@@ -35,6 +35,13 @@ flags.DEFINE_multi_string(
 )
 flags.DEFINE_list("seeds", ["0", "1", "2"], "Probe seeds.", flag_values=FLAGS)
 flags.DEFINE_integer("max_epochs", 40, "Probe epochs.", flag_values=FLAGS)
+flags.DEFINE_bool(
+    "whiten",
+    True,
+    "Attackers read the representations whitened with the train split's "
+    "covariance (--nowhiten: standardized per feature, as before stop 23).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_integer(
     "max_subset_size", None, "Largest number of diffs combined.", flag_values=FLAGS
 )
@@ -94,7 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     config = probes.ProbeConfig(
-        seeds=tuple(int(s) for s in FLAGS.seeds), max_epochs=FLAGS.max_epochs
+        seeds=tuple(int(s) for s in FLAGS.seeds),
+        max_epochs=FLAGS.max_epochs,
+        whiten=FLAGS.whiten,
     )
     try:
         results = composition.evaluate_run(

@@ -141,10 +141,17 @@ def format_results(results: dict) -> str:
             cells += [value.rjust(18), value.rjust(12)]
         lines.append(f"({what})".ljust(width) + "  ".join(cells))
     if leakage:
+        # Results written before stop 23 have no "probe_whiten": standardized.
+        metric = (
+            "whitened with the train split's covariance"
+            if results.get("probe_whiten", False)
+            else "standardized per feature"
+        )
         lines.append(
             "leakage: test balanced accuracy of fresh attacker probe ensembles on "
-            "frozen CLS representations (mean ± std over probe seeds; lin: a "
-            "class-balanced linear probe; lower is better). floor: what the gold task "
+            f"frozen CLS representations, {metric} "
+            "(mean ± std over probe seeds; lin: a class-balanced linear probe; "
+            "lower is better). floor: what the gold task "
             "label alone gives; INLP rows use the task head on projected "
             "representations"
         )

@@ -396,7 +396,9 @@ def _leakage(config, workdir: Path, results: dict, attributes) -> dict[str, Any]
     from moddiffy_jax.eval import composition, probes
 
     probe_config = probes.ProbeConfig(
-        seeds=tuple(config.eval.probe_seeds), max_epochs=config.eval.probe_epochs
+        seeds=tuple(config.eval.probe_seeds),
+        max_epochs=config.eval.probe_epochs,
+        whiten=config.eval.get("probe_whiten", True),
     )
     evaluation = composition.evaluate_run(
         workdir,
@@ -415,5 +417,6 @@ def _leakage(config, workdir: Path, results: dict, attributes) -> dict[str, Any]
             for label, row in evaluation["composition"].items()
         },
         "floors": evaluation.get("floors", {}),
+        "probe_whiten": probe_config.whiten,
         "eval_report": str(workdir / "eval" / "report.md"),
     }

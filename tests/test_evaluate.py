@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from moddiffy_jax import evaluate, train
+from moddiffy_jax import evaluate, main, train
 from moddiffy_jax.config_lib import experiment_config
 from moddiffy_jax.eval import composition, probes
 
@@ -43,6 +43,14 @@ def test_composition_matrix(run):
     assert saved["synthetic"] is True
     report = (run / "eval" / "report.md").read_text()
     assert "SYNTHETIC" in report and "core+gender+age" in report
+    assert "whitened with the train split's statistics" in report
+    # The run's printed table says which metric its attackers read.
+    whole = json.loads((run / "results.json").read_text())
+    whole["leakage"] = {label: row["leakage"] for label, row in rows.items()}
+    whole["probe_whiten"] = True
+    assert "whitened with the train split's covariance" in main.format_results(whole)
+    del whole["probe_whiten"]  # a run from before the whitened attacker
+    assert "standardized per feature" in main.format_results(whole)
     # The task accuracy of the core matches the training run's own table.
     trained = json.loads((run / "results.json").read_text())["composition"]
     assert rows["core"]["test_task_acc"] == pytest.approx(
