@@ -121,6 +121,13 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
             num_task_classes=len(dataset.task_classes),
             batch_size=config.train.batch_size,
         )
+        if debias.task_projection and method.debias != "modular":
+            raise ValueError(
+                "config.method.task_projection=True projects the removal "
+                "gradient of a modular debias step (a diff per attribute); "
+                f"method {config.method.name!r} trains its removal jointly with "
+                "the task: set it to False."
+            )
     if config.method.task_loss == "conf_reg":
         dataset = _with_teacher_probs(config, dataset, model)
     mesh = parallel.make_mesh(config.num_devices or None)

@@ -438,8 +438,9 @@ def _task_forward(
 ):
     """Encoder forward (with ``attribute``'s diff, if any) and the task term.
 
-    Returns ``(h, logits, terms, rng_for_removal)`` with
-    ``terms = {"task": loss}``.
+    Returns ``(h, logits, terms, rng_for_removal, task_of)`` with
+    ``terms = {"task": loss}`` and ``task_of(h)`` the task term as a function
+    of the representations (the same head, dropout and labels).
     """
     r_diff, r_enc, r_head, r_adv = jax.random.split(rng, 4)
     params, head = _encoder_and_head(
@@ -455,7 +456,13 @@ def _task_forward(
         h = model.represent(params, batch, r_enc, True)
     logits = model.task_logits(head, h, r_head, True)
     terms["task"] = task_loss_value(task_loss, logits, batch)
-    return h, logits, terms, r_adv
+
+    def task_of(reps):
+        return task_loss_value(
+            task_loss, model.task_logits(head, reps, r_head, True), batch
+        )
+
+    return h, logits, terms, r_adv, task_of
 
 
 def _undebiased_representation(
@@ -495,7 +502,7 @@ def make_task_loss(
     """Loss of the task step (plus joint debias terms and the task-diff L0)."""
 
     def loss(trainable, frozen, batch, rng):
-        h, logits, terms, r_adv = _task_forward(
+        h, logits, terms, r_adv, task_of = _task_forward(
             model,
             method,
             trainable,
@@ -583,7 +590,7 @@ def make_debias_loss(
     """
 
     def loss(trainable, frozen, batch, rng):
-        h, logits, terms, r_adv = _task_forward(
+        h, logits, terms, r_adv, task_of = _task_forward(
             model,
             method,
             trainable,
@@ -620,10 +627,15 @@ def make_debias_loss(
                 phase=phase,
                 settings=diff_settings,
             )
+        h_removal = h
+        if debias.task_projection:
+            # Each row's task gradient (no second-order path into the head).
+            toward = jax.grad(task_of)(jax.lax.stop_gradient(h))
+            h_removal = removal.task_projected(h, jax.lax.stop_gradient(toward))
         removed = removal.debias_term(
             model,
             trainable,
-            h,
+            h_removal,
             batch["attrs"][attribute],
             attribute,
             settings=debias,

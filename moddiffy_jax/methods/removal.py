@@ -109,6 +109,11 @@ class DebiasSettings:
     # detached representations of this many previous batches (0 = the batch
     # alone): larger groups at the cost of one batch (:func:`remembered`).
     removal_memory: int = 0
+    # Modular debias steps: the removal terms' gradient on each example's
+    # representation loses its component against that example's task
+    # gradient (:func:`task_projected`), so to first order a removal step
+    # does not raise the task loss through the representation.
+    task_projection: bool = False
     # Per-attribute weights of the removal terms (the fields of
     # :data:`ATTRIBUTE_WEIGHTS`), overriding the ones above for that
     # attribute only: {attribute: {field: weight}} (:func:`for_attribute`).
@@ -120,6 +125,33 @@ class DebiasSettings:
 #: The removal weights ``config.method.attribute_weights`` can set per
 #: attribute.
 ATTRIBUTE_WEIGHTS = ("mmd_weight", "fisher_weight", "target_weight", "adv_lambda")
+
+
+@jax.custom_vjp
+def task_projected(h: jax.Array, toward: jax.Array) -> jax.Array:
+    """``h`` unchanged; the gradient that flows back through it loses, per
+    row, its component against ``toward`` (that row's task gradient):
+    ``g - min(0, g . t) / (t . t) t``. A descent step on a loss of the
+    result then does not raise a loss whose gradient is ``toward``, to first
+    order in each row (PCGrad's projection, Yu et al. 2020, row by row).
+    No gradient flows to ``toward``."""
+    return h
+
+
+def _projected_fwd(h, toward):
+    return h, toward
+
+
+def _projected_bwd(toward, g):
+    t = toward.astype(jnp.float32)
+    g32 = g.astype(jnp.float32)
+    dot = jnp.sum(g32 * t, axis=-1, keepdims=True)
+    norm = jnp.sum(t * t, axis=-1, keepdims=True)
+    scale = jnp.where(norm > 0.0, jnp.minimum(dot, 0.0) / jnp.maximum(norm, 1e-30), 0.0)
+    return (g32 - scale * t).astype(g.dtype), jnp.zeros_like(toward)
+
+
+task_projected.defvjp(_projected_fwd, _projected_bwd)
 
 
 def for_attribute(settings: DebiasSettings, attribute: str) -> DebiasSettings:
@@ -250,6 +282,11 @@ def config_fields() -> ml_collections.ConfigDict:
     # mmd_weight=3" (fields: mmd_weight, fisher_weight, target_weight,
     # adv_lambda). Empty: every attribute reads the shared weights.
     f.attribute_weights = ""
+    # Modular debias steps: the removal terms' gradient on each example's
+    # representation loses its component against the task gradient (as in
+    # PCGrad, per row of the representation), so a removal step does not
+    # raise the task loss to first order through the representation.
+    f.task_projection = False
     # The removal terms ramp linearly from 0 to full weight over the first
     # steps (the running statistics are collected from step 0): in
     # MoDDiffy-par the core learns the task meanwhile. 0 = full from step 0.
@@ -709,6 +746,7 @@ _LATER_FIELDS = (
     ("target_mode", "shift"),
     ("removal_memory", 0),
     ("attribute_weights", ""),
+    ("task_projection", False),
 )
 
 
