@@ -5,7 +5,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from moddiffy_jax.methods import common, removal
+from moddiffy_jax.methods import attribute_weights, common, removal
 from tests.test_substeps import _first_step
 
 
@@ -32,8 +32,8 @@ def test_the_table_is_read_per_attribute_and_resolved_for_each():
         "age": {"fisher_weight": 100.0, "mmd_weight": 5.0},
         "gender": {"mmd_weight": 0.5},
     }
-    age = removal.for_attribute(settings, "age")
-    gender = removal.for_attribute(settings, "gender")
+    age = attribute_weights.for_attribute(settings, "age")
+    gender = attribute_weights.for_attribute(settings, "gender")
     assert (age.fisher_weight, age.mmd_weight) == (100.0, 5.0)
     assert (gender.fisher_weight, gender.mmd_weight) == (10.0, 0.5)
     assert age.attribute_weights == {} == gender.attribute_weights

@@ -6,8 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moddiffy_jax import train
-from moddiffy_jax.methods import removal
+from moddiffy_jax import objectives, train
 from tests.helpers import tiny
 from tests.test_attribute_weights import _debias_metrics
 
@@ -20,7 +19,7 @@ def test_the_projection_drops_only_the_part_against_the_task():
     g = jnp.array(
         [[-3.0, 1.0, 0.0], [0.0, 5.0, 1.0], [1.0, 1.0, 1.0], [-1.0, -1.0, 2.0]]
     )
-    value, vjp = jax.vjp(removal.task_projected, h, toward)
+    value, vjp = jax.vjp(objectives.task_projected, h, toward)
     np.testing.assert_array_equal(value, h)
     g_h, g_toward = vjp(g)
     expected = np.array(

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from moddiffy_jax import objectives
-from moddiffy_jax.methods import removal
+from moddiffy_jax.methods import attribute_weights, removal
 
 # The step machinery lives in steps.py; these names stay importable here.
 from moddiffy_jax.methods.steps import (
@@ -616,7 +616,7 @@ def make_debias_loss(
             kl = jnp.sum(jnp.exp(teacher) * (teacher - student), -1)
             terms["distill"] = debias.task_distill * jnp.mean(kl)
         anchor = None
-        if removal.for_attribute(debias, attribute).target_weight > 0.0:
+        if attribute_weights.for_attribute(debias, attribute).target_weight > 0.0:
             anchor = _undebiased_representation(
                 model,
                 method,
@@ -631,7 +631,7 @@ def make_debias_loss(
         if debias.task_projection:
             # Each row's task gradient (no second-order path into the head).
             toward = jax.grad(task_of)(jax.lax.stop_gradient(h))
-            h_removal = removal.task_projected(h, jax.lax.stop_gradient(toward))
+            h_removal = objectives.task_projected(h, jax.lax.stop_gradient(toward))
         removed = removal.debias_term(
             model,
             trainable,

@@ -25,6 +25,10 @@ import ml_collections
 from absl import logging
 
 from moddiffy_jax import objectives
+from moddiffy_jax.methods.attribute_weights import (
+    for_attribute,
+    parse_attribute_weights,
+)
 from moddiffy_jax.methods.terms import INFO_KEY, STATE_KEY
 from moddiffy_jax.objectives import mmd as objectives_mmd
 
@@ -111,111 +115,16 @@ class DebiasSettings:
     removal_memory: int = 0
     # Modular debias steps: the removal terms' gradient on each example's
     # representation loses its component against that example's task
-    # gradient (:func:`task_projected`), so to first order a removal step
+    # gradient (``objectives.task_projected``), so to first order a removal step
     # does not raise the task loss through the representation.
     task_projection: bool = False
-    # Per-attribute weights of the removal terms (the fields of
-    # :data:`ATTRIBUTE_WEIGHTS`), overriding the ones above for that
-    # attribute only: {attribute: {field: weight}} (:func:`for_attribute`).
+    # Per-attribute weights of the removal terms ({attribute: {field:
+    # weight}}, the fields of ``attribute_weights.ATTRIBUTE_WEIGHTS``),
+    # overriding the ones above for that attribute only (methods/
+    # attribute_weights.py, ``for_attribute``).
     attribute_weights: Mapping[str, Mapping[str, float]] = dataclasses.field(
         default_factory=dict
     )
-
-
-#: The removal weights ``config.method.attribute_weights`` can set per
-#: attribute.
-ATTRIBUTE_WEIGHTS = ("mmd_weight", "fisher_weight", "target_weight", "adv_lambda")
-
-
-@jax.custom_vjp
-def task_projected(h: jax.Array, toward: jax.Array) -> jax.Array:
-    """``h`` unchanged; the gradient that flows back through it loses, per
-    row, its component against ``toward`` (that row's task gradient):
-    ``g - min(0, g . t) / (t . t) t``. A descent step on a loss of the
-    result then does not raise a loss whose gradient is ``toward``, to first
-    order in each row (PCGrad's projection, Yu et al. 2020, row by row).
-    No gradient flows to ``toward``."""
-    return h
-
-
-def _projected_fwd(h, toward):
-    return h, toward
-
-
-def _projected_bwd(toward, g):
-    t = toward.astype(jnp.float32)
-    g32 = g.astype(jnp.float32)
-    dot = jnp.sum(g32 * t, axis=-1, keepdims=True)
-    norm = jnp.sum(t * t, axis=-1, keepdims=True)
-    scale = jnp.where(norm > 0.0, jnp.minimum(dot, 0.0) / jnp.maximum(norm, 1e-30), 0.0)
-    return (g32 - scale * t).astype(g.dtype), jnp.zeros_like(toward)
-
-
-task_projected.defvjp(_projected_fwd, _projected_bwd)
-
-
-def for_attribute(settings: DebiasSettings, attribute: str) -> DebiasSettings:
-    """``settings`` with ``attribute``'s own weights in place of the shared
-    ones (and no per-attribute table left: what its removal terms read)."""
-    if not settings.attribute_weights:
-        return settings
-    own = dict(settings.attribute_weights.get(attribute, {}))
-    return dataclasses.replace(settings, attribute_weights={}, **own)
-
-
-def uses_weight(settings: DebiasSettings, field: str) -> bool:
-    """Whether any attribute's removal reads ``field`` (> 0): its running
-    statistics are then kept for every attribute."""
-    if getattr(settings, field) > 0.0:
-        return True
-    return any(w.get(field, 0.0) > 0.0 for w in settings.attribute_weights.values())
-
-
-def parse_attribute_weights(
-    text: str, attributes: Sequence[str]
-) -> dict[str, dict[str, float]]:
-    """``"age: fisher_weight=100, mmd_weight=5; gender: mmd_weight=3"`` as
-    ``{"age": {"fisher_weight": 100.0, "mmd_weight": 5.0}, "gender": ...}``.
-    A malformed entry, an attribute the run does not debias, a field that is
-    not a per-attribute weight or a negative weight raises a ``ValueError``
-    naming it."""
-    out: dict[str, dict[str, float]] = {}
-    where = "config.method.attribute_weights"
-    form = "'attribute: field=value, field=value; attribute: ...'"
-    for entry in filter(None, (e.strip() for e in text.split(";"))):
-        attribute, sep, rest = entry.partition(":")
-        attribute = attribute.strip()
-        if not sep or not attribute:
-            raise ValueError(f"{where}: {entry!r} is not of the form {form}.")
-        if attribute not in attributes:
-            raise ValueError(
-                f"{where}: {attribute!r} is not an attribute this run debiases "
-                f"({list(attributes)})."
-            )
-        if attribute in out:
-            raise ValueError(f"{where}: attribute {attribute!r} is given twice.")
-        own = out[attribute] = {}
-        for item in filter(None, (i.strip() for i in rest.split(","))):
-            field, sep, value = (x.strip() for x in item.partition("="))
-            if not sep:
-                raise ValueError(f"{where}: {item!r} is not field=value ({form}).")
-            if field not in ATTRIBUTE_WEIGHTS:
-                raise ValueError(
-                    f"{where}: {field!r} cannot be set per attribute; one of "
-                    f"{ATTRIBUTE_WEIGHTS}."
-                )
-            try:
-                weight = float(value)
-            except ValueError:
-                raise ValueError(
-                    f"{where}: {attribute}'s {field}={value!r} is not a number."
-                ) from None
-            if not weight >= 0.0:
-                raise ValueError(
-                    f"{where}: {attribute}'s {field} must be >= 0, got {weight}."
-                )
-            own[field] = weight
-    return out
 
 
 def config_fields() -> ml_collections.ConfigDict:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from moddiffy_jax import checkpoints
-from moddiffy_jax.methods import common, removal
+from moddiffy_jax.methods import attribute_weights, common, removal
 from moddiffy_jax.methods.interface import Method
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import selection
@@ -88,7 +88,7 @@ def removal_parts(ctx, rng: jax.Array) -> dict[str, Any]:
             out[removal.MMD_STATS] = removal.init_mmd_stats(
                 model.feature_dim, ctx.attributes
             )
-        if removal.uses_weight(debias, "fisher_weight"):
+        if attribute_weights.uses_weight(debias, "fisher_weight"):
             out[removal.FISHER_STATS] = removal.init_fisher_stats(
                 debias, model.feature_dim, ctx.attributes
             )
@@ -96,7 +96,7 @@ def removal_parts(ctx, rng: jax.Array) -> dict[str, Any]:
             out[removal.REMOVAL_MEMORY] = removal.init_memory(
                 debias, model.feature_dim, ctx.attributes, ctx.config.train.batch_size
             )
-        if removal.uses_weight(debias, "target_weight") and modular:
+        if attribute_weights.uses_weight(debias, "target_weight") and modular:
             out[removal.TARGET_STATS] = removal.init_target_stats(
                 debias, model.feature_dim, ctx.attributes
             )

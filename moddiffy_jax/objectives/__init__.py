@@ -43,6 +43,7 @@ from moddiffy_jax.objectives.mmd import (
     within_group_scatter,
 )
 from moddiffy_jax.objectives.mutual_info import mutual_information
+from moddiffy_jax.objectives.projection import task_projected
 
 __all__ = [
     "KNOWN_BIAS_LOSSES",
@@ -54,6 +55,7 @@ __all__ = [
     "example_reweighting_loss",
     "get_known_bias_loss",
     "gradient_reversal",
+    "task_projected",
     "majority_vote",
     "kernel_matrix",
     "mmd_loss",
