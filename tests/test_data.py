@@ -1,6 +1,7 @@
 """Tests for moddiffy_jax.data: sources, errors, balancing, tokenization, pipeline."""
 
 import csv
+import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -334,6 +335,7 @@ def test_balancing_train_only():
 def test_build_dataset_shapes(tokenizer):
     c = data.default_data_config()
     c.max_length = 24
+    c.trim_padding = False
     c.max_examples_per_split = 50
     ds = data.build_dataset(c, tokenizer)
     assert ds.synthetic and ds.max_length == 24 and ds.name == "synthetic"
@@ -348,6 +350,41 @@ def test_build_dataset_shapes(tokenizer):
     assert (ids[:, 0] == tokenizer.cls_token_id).all()
     mask = ds.splits["train"].attention_mask
     assert ((ids == tokenizer.pad_token_id) == (mask == 0)).all()
+
+
+def test_trim_padding_drops_only_padding(tokenizer):
+    # The synthetic sentences are at most 14 tokens: padded to 40, the last
+    # 24 columns are padding in every example of every split.
+    c = data.default_data_config()
+    c.max_length = 40
+    c.trim_padding = False
+    padded = data.build_dataset(c, tokenizer)
+    c.trim_padding = True
+    trimmed = data.build_dataset(c, tokenizer)
+    used = max(
+        int(np.flatnonzero(s.attention_mask.any(0))[-1]) + 1
+        for s in padded.splits.values()
+    )
+    assert trimmed.max_length == -(-used // 8) * 8 < 40
+    for name, split in padded.splits.items():
+        cut = trimmed.splits[name]
+        for k in ("input_ids", "attention_mask", "token_type_ids"):
+            full = getattr(split, k)
+            np.testing.assert_array_equal(
+                getattr(cut, k), full[:, : trimmed.max_length]
+            )
+        assert not split.attention_mask[:, trimmed.max_length :].any()
+        np.testing.assert_array_equal(cut.task, split.task)
+    # A real token in the last column (a left-padding tokenizer, or a split
+    # at the cap) keeps every column.
+    split = padded.splits["dev"]
+    mask = split.attention_mask.copy()
+    mask[0, -1] = 1
+    edge = padded.replace(
+        splits={**padded.splits, "dev": dataclasses.replace(split, attention_mask=mask)}
+    )
+    assert data.trim_padding(edge) is edge
+    assert data.padded_length(padded, multiple=1) == used
 
 
 def test_tokenize_pairs_and_truncation(tokenizer):

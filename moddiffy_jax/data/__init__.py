@@ -34,7 +34,12 @@ from moddiffy_jax.data.pipeline import (
 from moddiffy_jax.data.sources import SOURCES, get_source
 from moddiffy_jax.data.synthetic import generate_synthetic
 from moddiffy_jax.data.tabular import load_tabular, read_table
-from moddiffy_jax.data.tokenize import tokenize_dataset, tokenize_split
+from moddiffy_jax.data.tokenize import (
+    padded_length,
+    tokenize_dataset,
+    tokenize_split,
+    trim_padding,
+)
 
 __all__ = [
     "SOURCES",
@@ -55,10 +60,12 @@ __all__ = [
     "load_tabular",
     "load_text_dataset",
     "num_eval_batches",
+    "padded_length",
     "read_label_file",
     "read_table",
     "summarize_dataset",
     "tokenize_dataset",
     "tokenize_split",
+    "trim_padding",
     "truncate_splits",
 ]

@@ -22,7 +22,7 @@ from moddiffy_jax.data.dataset import (
     dataset_with_extras,
 )
 from moddiffy_jax.data.sources import get_source
-from moddiffy_jax.data.tokenize import tokenize_dataset
+from moddiffy_jax.data.tokenize import tokenize_dataset, trim_padding
 
 
 def default_data_config() -> ml_collections.ConfigDict:
@@ -36,7 +36,11 @@ def default_data_config() -> ml_collections.ConfigDict:
       synthetic source is always named ``synthetic``).
     - ``seed``: seed of the synthetic generator and of balancing.
     - ``splits``: splits to load; must include ``train``.
-    - ``max_length``: token length of every example.
+    - ``max_length``: token length of every example (the most it may be).
+    - ``trim_padding``: cut the token axis to the longest example over all
+      splits, rounded up to a multiple of 8 (only columns that are padding
+      in every example go; outputs are unchanged up to float rounding).
+      Runs whose config lacks the field were made without it.
     - ``max_examples_per_split``: keep the first N rows of each split (debug and
       tests); ``None`` keeps all. Vocabularies still come from the full train.
     - ``attributes``: protected attribute names, in order (empty: the source's
@@ -71,6 +75,7 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.seed = 0
     c.splits = ("train", "dev", "test")
     c.max_length = 64
+    c.trim_padding = True
     c.max_examples_per_split = placeholder(int)
     c.attributes = ()
     c.task_classes = ()
@@ -180,12 +185,15 @@ def build_dataset(
       tokenizer: any Hugging Face tokenizer.
 
     Returns:
-      The :class:`TokenizedDataset` with ``max_length = data_config.max_length``;
+      The :class:`TokenizedDataset` with ``max_length = data_config.max_length``
+      (shorter with ``data_config.trim_padding``: :func:`trim_padding`);
       every split keeps its text split's ``extras`` (row for row) and the
       dataset its ``bias_summary``.
     """
     text = load_text_dataset(data_config)
     tokenized = tokenize_dataset(text, tokenizer, max_length=data_config.max_length)
+    if data_config.get("trim_padding", False):  # absent: a run made before it
+        tokenized = trim_padding(tokenized)
     extras = {s: split.extras for s, split in text.splits.items() if split.extras}
     return dataset_with_extras(tokenized, extras).replace(
         bias_summary=dict(text.bias_summary)

@@ -3,11 +3,15 @@
 Every split is padded/truncated to ``max_length`` tokens, so every batch has
 the same shape and jitted steps compile once. The reference code computed its
 length from *character* counts (which gave 200 in practice); here the length
-is in tokens, given by the config (default 64).
+is in tokens, given by the config (default 64). :func:`trim_padding` then
+drops the trailing columns that are padding in every example of every split
+(``data.trim_padding``): sentences of 14 tokens padded to 32 spend more than
+half of every forward and backward pass on padding.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -98,3 +102,45 @@ def tokenize_dataset(
         synthetic=dataset.synthetic,
         max_length=max_length,
     )
+
+
+def padded_length(dataset: TokenizedDataset, *, multiple: int = 8) -> int:
+    """The shortest token length that drops no real token of any split.
+
+    One past the last column where any example of any split has a real token,
+    rounded up to a multiple of ``multiple`` (so a few lengths cover many
+    datasets) and never above ``dataset.max_length``. A tokenizer that pads
+    on the left has real tokens in the last column, so nothing is dropped.
+    """
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}.")
+    used = 1
+    for split in dataset.splits.values():
+        columns = np.flatnonzero(np.any(split.attention_mask != 0, axis=0))
+        if columns.size:
+            used = max(used, int(columns[-1]) + 1)
+    used = max(used, 2)  # [CLS] ... [SEP]: tokenize_split's own minimum
+    return min(dataset.max_length, -(-used // multiple) * multiple)
+
+
+def trim_padding(dataset: TokenizedDataset, *, multiple: int = 8) -> TokenizedDataset:
+    """Cuts every split to :func:`padded_length` tokens.
+
+    Only columns that are padding in every example are dropped, so the model
+    sees the same tokens and attention masks: its outputs are those of the
+    padded batch up to float rounding (masked keys get no attention weight),
+    and each step does the work of the real length.
+    """
+    length = padded_length(dataset, multiple=multiple)
+    if length == dataset.max_length:
+        return dataset
+    splits = {
+        name: dataclasses.replace(
+            split,
+            input_ids=np.ascontiguousarray(split.input_ids[:, :length]),
+            attention_mask=np.ascontiguousarray(split.attention_mask[:, :length]),
+            token_type_ids=np.ascontiguousarray(split.token_type_ids[:, :length]),
+        )
+        for name, split in dataset.splits.items()
+    }
+    return dataset.replace(splits=splits, max_length=length)
