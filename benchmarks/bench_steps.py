@@ -124,6 +124,7 @@ def run_one(
     with config.unlocked():
         config.train.batch_size = batch
         config.data.max_length = length
+        config.data.trim_padding = False  # the shape asked for, padding and all
         config.model.dtype = dtype
         config.train.step_jit = step_jit
         config.data.synthetic.num_train = max(4 * batch, 256)
