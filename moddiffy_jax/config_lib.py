@@ -111,6 +111,10 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     ):
         c.optim[f"lr_{role}"] = lr
         c.optim[f"wd_{role}"] = wd
+    # A diff's word-embedding rows learn at lr_diff times this: an attribute
+    # carried by words can need rows moved further than other entries
+    # (docs/efficacy.md, "Stop 24"). 1: the same update as every entry.
+    c.optim.diff_words_lr_scale = 1.0
     c.optim.b1 = 0.9
     c.optim.b2 = 0.999
     c.optim.eps = 1e-8

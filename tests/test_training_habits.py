@@ -289,3 +289,39 @@ def test_a_run_in_epochs_records_its_steps_and_resumes(tmp_path):
     assert saved["train"]["epochs"] == 0.75  # what was asked, resolved per run
     steps = [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")]
     assert max(steps) == want
+
+
+def test_word_rows_of_a_diff_learn_at_their_own_scale():
+    # optim.diff_words_lr_scale multiplies AdamW's step on a diff's word-
+    # embedding rows only; at 1 the state keeps its old layout (one role).
+    tree = {
+        "diffs": {
+            "a": {
+                "delta": {
+                    "embeddings": {"word_embeddings": {"embedding": jnp.zeros((4, 3))}},
+                    "layer": {"kernel": jnp.zeros((3, 3))},
+                }
+            }
+        }
+    }
+    grads = jax.tree.map(lambda x: jnp.full(x.shape, 0.5), tree)
+    optim = {**OPTIM, "lr_diff": 1e-3}
+
+    def update(scale):
+        opt = common.make_optimizer({**optim, "diff_words_lr_scale": scale})
+        state = opt.init(tree)
+        return opt.update(grads, state, tree)[0]["diffs"]["a"]["delta"], state
+
+    one, state_one = update(1.0)
+    ten, state_ten = update(10.0)
+    assert "diff_words" not in state_one[-1].inner_states
+    assert "diff_words" in state_ten[-1].inner_states
+    rows = ("embeddings", "word_embeddings", "embedding")
+    word_one, word_ten = one[rows[0]][rows[1]][rows[2]], ten[rows[0]][rows[1]][rows[2]]
+    np.testing.assert_allclose(word_ten, 10.0 * word_one, rtol=1e-6)
+    assert float(jnp.abs(word_one).min()) > 0.0
+    np.testing.assert_array_equal(ten["layer"]["kernel"], one["layer"]["kernel"])
+    with pytest.raises(ValueError, match="diff_words_lr_scale"):
+        common.make_optimizer({**optim, "diff_words_lr_scale": 0.0})
+    with pytest.raises(ValueError, match="diff_words_lr_scale"):  # before a run
+        common.check_optim({**optim, "diff_words_lr_scale": -1.0}, {"l0": 4})

@@ -27,6 +27,7 @@ host-side pure function (see ``moddiffy_jax.train``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -107,23 +108,42 @@ ROLE_RULES: tuple[tuple[str, str], ...] = (
     (r"core/.*", "encoder"),
     (r"adapters/.*", "adapter"),
     (r"(task_diff|diffs/[^/]+)/(log_alpha|group_log_alpha)(/.*)?", "log_alpha"),
+    (r"(task_diff|diffs/[^/]+)/(delta/)?embeddings/word_embeddings/.*", "diff_words"),
     (r"(task_diff|diffs/[^/]+)/.*", "diff"),
     (r"task_head/.*", "heads"),
     (r"adversaries/[^/]+/.*", "adversary"),
     (r"scores/.*", "scores"),
 )
 ROLES = ("encoder", "adapter", "log_alpha", "diff", "heads", "adversary", "scores")
+# A diff's word-embedding rows: the ``diff`` role's AdamW at ``lr_diff`` times
+# ``optim.diff_words_lr_scale`` (default 1: the same update as every entry).
+DERIVED_ROLES = {"diff_words": ("diff", "diff_words_lr_scale")}
 
 
-def role_labels(parts: PyTree) -> PyTree:
-    """Role label of every leaf of ``parts`` from :data:`ROLE_RULES`."""
+def role_labels(parts: PyTree, *, derived: bool = False) -> PyTree:
+    """Role label of every leaf of ``parts`` from :data:`ROLE_RULES`
+    (:data:`DERIVED_ROLES` only with ``derived``; else their parent's)."""
     paths = selection.tree_paths(parts)
     rules = [
         (rule, role)
         for rule, role in ROLE_RULES
         if any(re.fullmatch(rule, p) for p in paths)
+        and (derived or role not in DERIVED_ROLES)
     ]
     return selection.assign_roles(parts, rules)
+
+
+def derived_lr_scale(optim: Mapping[str, Any], role: str) -> float:
+    """The learning-rate factor of a :data:`DERIVED_ROLES` role over its
+    parent's; a ValueError naming the field unless it is > 0."""
+    parent, key = DERIVED_ROLES[role]
+    scale = float(optim.get(key, 1.0))
+    if not scale > 0.0:
+        raise ValueError(
+            f"config.optim.{key}={scale}: it must be > 0 (1 gives these entries "
+            f"the lr_{parent} of every other entry)."
+        )
+    return scale
 
 
 def make_optimizer(optim: Mapping[str, Any]) -> optax.GradientTransformation:
@@ -132,7 +152,8 @@ def make_optimizer(optim: Mapping[str, Any]) -> optax.GradientTransformation:
     Args:
       optim: the ``config.optim`` mapping with ``lr_<role>``, ``wd_<role>``
         for every role in :data:`ROLES`, ``clip_norm`` (<= 0 disables), and
-        ``b1``, ``b2``, ``eps``.
+        ``b1``, ``b2``, ``eps``; optionally ``diff_words_lr_scale`` (a
+        diff's word-embedding rows, :data:`DERIVED_ROLES`).
 
     The clip is over all gradients of one sub-step. The reference clips over
     every parameter of the model, including stale gradients of other
@@ -149,7 +170,21 @@ def make_optimizer(optim: Mapping[str, Any]) -> optax.GradientTransformation:
         )
         for role in ROLES
     }
-    chain = [optax.partition(transforms, role_labels)]
+    derived = False
+    for role, (parent, _) in DERIVED_ROLES.items():
+        scale = derived_lr_scale(optim, role)
+        if scale == 1.0:  # the parent's update: one role, the old state layout
+            continue
+        derived = True
+        transforms[role] = optax.adamw(
+            optim[f"lr_{parent}"] * scale,
+            b1=optim["b1"],
+            b2=optim["b2"],
+            eps=optim["eps"],
+            weight_decay=optim[f"wd_{parent}"],
+        )
+    labels = functools.partial(role_labels, derived=derived)
+    chain = [optax.partition(transforms, labels)]
     if optim["clip_norm"] > 0:
         chain.insert(0, optax.clip_by_global_norm(optim["clip_norm"]))
     return optax.chain(*chain)
@@ -195,6 +230,8 @@ def lr_factor(schedule: str, warmup_steps: int, total_steps: int) -> optax.Sched
 def check_optim(optim: Mapping[str, Any], phase_steps: Mapping[str, int]) -> None:
     """Raises ValueError naming the field and the fix for a bad schedule or
     accumulation setting; ``phase_steps``: each phase's steps (micro-batches)."""
+    for role in DERIVED_ROLES:
+        derived_lr_scale(optim, role)
     schedule = optim.get("schedule", "constant")
     if schedule not in SCHEDULES:
         raise ValueError(
@@ -239,6 +276,7 @@ def schedule_substeps(
     if schedule == "constant" and not warmup and k == 1:
         return list(substeps)
     factor = lr_factor(schedule, warmup, phase_steps // k)
+    # Derived roles (:data:`DERIVED_ROLES`) are scheduled as their parents.
     scaled = {role: optax.scale_by_schedule(factor) for role in ROLES}
     scaled.update({role: optax.identity() for role in UNSCHEDULED_ROLES})
     out, made = [], {}

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 
 from moddiffy_jax import parallel
 from moddiffy_jax.methods import common, standard
@@ -165,8 +166,17 @@ def adam_second_moment(opt_state: Any, key: common.Key) -> Any:
         node = stack.pop()
         inner = getattr(node, "inner_states", None)
         if isinstance(inner, Mapping) and "diff" in inner:
-            adam = inner["diff"].inner_state[0]
-            return common.get_part(adam.nu, key).delta
+            nu = common.get_part(inner["diff"].inner_state[0].nu, key).delta
+            for role in common.DERIVED_ROLES:  # rows with their own AdamW
+                if role in inner:
+                    own = common.get_part(inner[role].inner_state[0].nu, key).delta
+                    nu = jax.tree.map(
+                        lambda a, b: b if isinstance(a, optax.MaskedNode) else a,
+                        nu,
+                        own,
+                        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+                    )
+            return nu
         if isinstance(node, tuple):
             stack.extend(node)
     raise ValueError("No Adam state for the 'diff' role in the optimizer state.")
