@@ -553,6 +553,7 @@ def make_task_loss(
             task_loss=task_loss,
         )
         if method.debias == "joint":
+            cond = conditioning_labels(debias, batch, logits, core=None)
             for i, attr in enumerate(attributes):
                 removed = removal.debias_term(
                     model,
@@ -563,7 +564,7 @@ def make_task_loss(
                     settings=debias,
                     rng=jax.random.fold_in(r_adv, i),
                     train=True,
-                    task=batch["task"],
+                    task=cond,
                 )
                 removed = removal.warmed_up(removed, batch.get(STEP_KEY), debias)
                 merge_terms(terms, removed)
@@ -576,6 +577,30 @@ def make_task_loss(
         return total(terms), terms
 
     return loss
+
+
+def conditioning_labels(
+    debias: removal.DebiasSettings,
+    batch: Mapping[str, Any],
+    logits: jax.Array,
+    *,
+    core: Callable[[], jax.Array] | None,
+) -> jax.Array:
+    """The task classes the removal terms condition on (``condition_on``):
+    the gold labels, the predicted classes of ``logits`` or those of the
+    core (``core()``: its log-probabilities; None where there is no
+    separate core), never differentiated."""
+    if debias.condition_on == "label":
+        return batch["task"]
+    if debias.condition_on == "core_prediction":
+        if core is None:
+            raise ValueError(
+                "config.method.condition_on='core_prediction' needs a core "
+                "without the diff (modular methods: moddiffy_par, moddiffy_post, "
+                "lora_debias); use condition_on='prediction' or 'label'."
+            )
+        logits = core()
+    return jnp.argmax(jax.lax.stop_gradient(logits), -1).astype(batch["task"].dtype)
 
 
 def _accuracy(logits: jax.Array, task: jax.Array) -> jax.Array:
@@ -679,7 +704,20 @@ def make_debias_loss(
             settings=debias,
             rng=r_adv,
             train=True,
-            task=batch["task"],
+            task=conditioning_labels(
+                debias,
+                batch,
+                logits,
+                core=lambda: _core_prediction(
+                    model,
+                    method,
+                    trainable,
+                    frozen,
+                    batch,
+                    phase=phase,
+                    settings=diff_settings,
+                ),
+            ),
             anchor=anchor,
         )
         removed = removal.warmed_up(removed, batch.get(STEP_KEY), debias)
