@@ -665,16 +665,20 @@ def make_debias_loss(
             attribute=attribute,
             task_loss=task_loss,
         )
+        # The core's task log-probabilities on the batch (no diff, no
+        # gradient), for the distillation term and the decision conditioning.
+        core_prediction = functools.partial(
+            _core_prediction,
+            model,
+            method,
+            trainable,
+            frozen,
+            batch,
+            phase=phase,
+            settings=diff_settings,
+        )
         if debias.task_distill > 0.0:
-            teacher = _core_prediction(
-                model,
-                method,
-                trainable,
-                frozen,
-                batch,
-                phase=phase,
-                settings=diff_settings,
-            )
+            teacher = core_prediction()
             student = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
             kl = jnp.sum(jnp.exp(teacher) * (teacher - student), -1)
             terms["distill"] = debias.task_distill * jnp.mean(kl)
@@ -704,20 +708,7 @@ def make_debias_loss(
             settings=debias,
             rng=r_adv,
             train=True,
-            task=conditioning_labels(
-                debias,
-                batch,
-                logits,
-                core=lambda: _core_prediction(
-                    model,
-                    method,
-                    trainable,
-                    frozen,
-                    batch,
-                    phase=phase,
-                    settings=diff_settings,
-                ),
-            ),
+            task=conditioning_labels(debias, batch, logits, core=core_prediction),
             anchor=anchor,
         )
         removed = removal.warmed_up(removed, batch.get(STEP_KEY), debias)
