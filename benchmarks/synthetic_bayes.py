@@ -80,9 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     corr = {"gender": args.gender_corr, "age": args.age_corr}
-    y, t, values, seen = sample(
-        args.n, rng, corr, args.label_noise, args.marker_prob
-    )
+    y, t, values, seen = sample(args.n, rng, corr, args.label_noise, args.marker_prob)
     g, a = seen["gender"], seen["age"]
     decision = decide([t, g, a], y)
     rows = [
