@@ -127,12 +127,7 @@ class DebiasSettings:
     attribute_weights: Mapping[str, Mapping[str, float]] = dataclasses.field(
         default_factory=dict
     )
-    # The task classes the removal terms compare the attribute's groups
-    # within: "label" (the gold task label: the representation independent
-    # of the attribute given the label), "prediction" (the model's own
-    # predicted class, no gradient: the representation holds no more of the
-    # attribute than its task decision does) or "core_prediction" (the
-    # core's predicted class, modular methods only).
+    # The task classes the removal terms condition on (config_fields).
     condition_on: str = "label"
 
 
