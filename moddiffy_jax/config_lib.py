@@ -118,6 +118,10 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # on three seeds; 20 rewrites every word row the data uses by 2-3 times
     # its norm and breaks the task on some seeds.
     c.optim.diff_words_lr_scale = 1.0
+    # "entry": AdamW on the word rows like every entry (each used row moves
+    # about the same); "table": one step divisor per word table, so a row
+    # moves in proportion to its gradient (methods/table_adam.py).
+    c.optim.diff_words_normalizer = "entry"
     c.optim.b1 = 0.9
     c.optim.b2 = 0.999
     c.optim.eps = 1e-8

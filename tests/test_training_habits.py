@@ -325,3 +325,57 @@ def test_word_rows_of_a_diff_learn_at_their_own_scale():
         common.make_optimizer({**optim, "diff_words_lr_scale": 0.0})
     with pytest.raises(ValueError, match="diff_words_lr_scale"):  # before a run
         common.check_optim({**optim, "diff_words_lr_scale": -1.0}, {"l0": 4})
+
+
+def test_table_normalizer_moves_word_rows_with_their_gradient():
+    # optim.diff_words_normalizer="table": one step divisor for the word
+    # table (root mean second moment of the entries with gradient), so a row
+    # with a tenth of the gradient moves a tenth as far, a row without any
+    # stays put, and every other leaf keeps AdamW's per-entry step.
+    words = jnp.zeros((4, 3))
+    tree = {
+        "diffs": {
+            "a": {
+                "delta": {
+                    "embeddings": {"word_embeddings": {"embedding": words}},
+                    "layer": {"kernel": jnp.zeros((3, 3))},
+                }
+            }
+        }
+    }
+    g_rows = jnp.array([1.0, 0.1, 0.0, -0.5])[:, None] * jnp.ones((4, 3))
+    grads = {
+        "diffs": {
+            "a": {
+                "delta": {
+                    "embeddings": {"word_embeddings": {"embedding": g_rows}},
+                    "layer": {"kernel": jnp.full((3, 3), 0.01)},
+                }
+            }
+        }
+    }
+    optim = {**OPTIM, "lr_diff": 1e-3, "clip_norm": 0.0}
+
+    def run(normalizer, steps=3):
+        opt = common.make_optimizer({**optim, "diff_words_normalizer": normalizer})
+        params, state = tree, opt.init(tree)
+        for _ in range(steps):
+            upd, state = opt.update(grads, state, params)
+            params = optax.apply_updates(params, upd)
+        return params["diffs"]["a"]["delta"]
+
+    table, entry = run("table"), run("entry")
+    moved = np.asarray(table["embeddings"]["word_embeddings"]["embedding"])
+    rms = math.sqrt((1.0 + 0.01 + 0.25) / 3)  # over the three rows with gradient
+    np.testing.assert_allclose(
+        moved[:, 0], -3e-3 * np.array([1.0, 0.1, 0.0, -0.5]) / rms, rtol=1e-4
+    )
+    assert moved[2].tolist() == [0.0, 0.0, 0.0]
+    # AdamW's entries all move by lr per step whatever their gradient.
+    adam = np.asarray(entry["embeddings"]["word_embeddings"]["embedding"])
+    np.testing.assert_allclose(np.abs(adam[[0, 1, 3]]), 3e-3, rtol=1e-4)
+    np.testing.assert_array_equal(table["layer"]["kernel"], entry["layer"]["kernel"])
+    with pytest.raises(ValueError, match="diff_words_normalizer"):
+        common.make_optimizer({**optim, "diff_words_normalizer": "row"})
+    with pytest.raises(ValueError, match="diff_words_normalizer"):  # before a run
+        common.check_optim({**optim, "diff_words_normalizer": "rows"}, {"l0": 4})

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 
 from moddiffy_jax import objectives
-from moddiffy_jax.methods import attribute_weights, removal
+from moddiffy_jax.methods import attribute_weights, removal, table_adam
 
 # The step machinery lives in steps.py; these names stay importable here.
 from moddiffy_jax.methods.steps import (
@@ -118,6 +118,10 @@ ROLES = ("encoder", "adapter", "log_alpha", "diff", "heads", "adversary", "score
 # A diff's word-embedding rows: the ``diff`` role's AdamW at ``lr_diff`` times
 # ``optim.diff_words_lr_scale`` (default 1: the same update as every entry).
 DERIVED_ROLES = {"diff_words": ("diff", "diff_words_lr_scale")}
+# ``optim.diff_words_normalizer``: "entry" (AdamW: each entry divided by its
+# own root second moment) or "table" (one divisor for the whole table, so
+# rows move in proportion to their gradient: methods/table_adam.py).
+WORD_NORMALIZERS = ("entry", "table")
 
 
 def role_labels(parts: PyTree, *, derived: bool = False) -> PyTree:
@@ -146,6 +150,19 @@ def derived_lr_scale(optim: Mapping[str, Any], role: str) -> float:
     return scale
 
 
+def word_normalizer(optim: Mapping[str, Any]) -> str:
+    """``optim.diff_words_normalizer`` (default "entry"); a ValueError
+    naming the choices otherwise."""
+    name = optim.get("diff_words_normalizer", "entry")
+    if name not in WORD_NORMALIZERS:
+        raise ValueError(
+            f"config.optim.diff_words_normalizer={name!r}; use one of "
+            f"{list(WORD_NORMALIZERS)} (entry: AdamW on every entry; table: "
+            "one step divisor per word table, rows move with their gradient)."
+        )
+    return name
+
+
 def make_optimizer(optim: Mapping[str, Any]) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW with a learning rate per role.
 
@@ -153,7 +170,8 @@ def make_optimizer(optim: Mapping[str, Any]) -> optax.GradientTransformation:
       optim: the ``config.optim`` mapping with ``lr_<role>``, ``wd_<role>``
         for every role in :data:`ROLES`, ``clip_norm`` (<= 0 disables), and
         ``b1``, ``b2``, ``eps``; optionally ``diff_words_lr_scale`` (a
-        diff's word-embedding rows, :data:`DERIVED_ROLES`).
+        diff's word-embedding rows, :data:`DERIVED_ROLES`) and
+        ``diff_words_normalizer`` (:data:`WORD_NORMALIZERS`).
 
     The clip is over all gradients of one sub-step. The reference clips over
     every parameter of the model, including stale gradients of other
@@ -171,12 +189,13 @@ def make_optimizer(optim: Mapping[str, Any]) -> optax.GradientTransformation:
         for role in ROLES
     }
     derived = False
+    table = word_normalizer(optim) == "table"
     for role, (parent, _) in DERIVED_ROLES.items():
         scale = derived_lr_scale(optim, role)
-        if scale == 1.0:  # the parent's update: one role, the old state layout
+        if scale == 1.0 and not table:  # the parent's update: the old layout
             continue
         derived = True
-        transforms[role] = optax.adamw(
+        transforms[role] = (table_adam.table_adamw if table else optax.adamw)(
             optim[f"lr_{parent}"] * scale,
             b1=optim["b1"],
             b2=optim["b2"],
@@ -232,6 +251,7 @@ def check_optim(optim: Mapping[str, Any], phase_steps: Mapping[str, int]) -> Non
     accumulation setting; ``phase_steps``: each phase's steps (micro-batches)."""
     for role in DERIVED_ROLES:
         derived_lr_scale(optim, role)
+    word_normalizer(optim)
     schedule = optim.get("schedule", "constant")
     if schedule not in SCHEDULES:
         raise ValueError(
