@@ -379,3 +379,27 @@ def test_table_normalizer_moves_word_rows_with_their_gradient():
         common.make_optimizer({**optim, "diff_words_normalizer": "row"})
     with pytest.raises(ValueError, match="diff_words_normalizer"):  # before a run
         common.check_optim({**optim, "diff_words_normalizer": "rows"}, {"l0": 4})
+
+
+def test_table_normalized_state_survives_a_donating_jitted_update():
+    # Train steps donate their optimizer state: the moments must be buffers
+    # of their own (one zeros tree used twice fails at the first step).
+    params = {
+        "diffs": {
+            "a": {
+                "delta": {
+                    "embeddings": {"word_embeddings": {"embedding": jnp.zeros((4, 3))}},
+                    "layer": {"kernel": jnp.zeros((3, 3))},
+                }
+            }
+        }
+    }
+    optim = {**OPTIM, "lr_diff": 1e-3, "diff_words_normalizer": "table"}
+    opt = common.make_optimizer(optim)
+    update = jax.jit(opt.update, donate_argnums=(1,))
+    grads = jax.tree.map(jnp.ones_like, params)
+    state = opt.init(params)
+    for _ in range(2):
+        changes, state = update(grads, state, params)
+    words = changes["diffs"]["a"]["delta"]["embeddings"]["word_embeddings"]
+    assert np.all(np.asarray(words["embedding"]) < 0)

@@ -44,8 +44,10 @@ def scale_by_table_adam(
     ``sqrt(mean of the non-zero second moments) + eps``."""
 
     def init(params):
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        return TableAdamState(jnp.zeros([], jnp.int32), zeros, zeros)
+        # Two trees, not one twice: a jitted step donates every state buffer.
+        mu = jax.tree.map(jnp.zeros_like, params)
+        nu = jax.tree.map(jnp.zeros_like, params)
+        return TableAdamState(jnp.zeros([], jnp.int32), mu, nu)
 
     def update(updates, state, params=None):
         del params
