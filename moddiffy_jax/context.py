@@ -34,6 +34,9 @@ class Context:
     mesh: Any
     diff_settings: common.DiffSettings | None  # None: the config has no diff.
     debias: removal.DebiasSettings | None
+    # config.diff.word_rows > 0: per attribute, the token ids whose word rows
+    # its diff may change (methods/word_rows.py); None: every row.
+    word_tokens: dict[str, np.ndarray] | None = None
 
 
 def is_vision(config: ml_collections.ConfigDict) -> bool:
@@ -128,6 +131,7 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
                 f"method {config.method.name!r} trains its removal jointly with "
                 "the task: set it to False."
             )
+    word_tokens = _word_tokens(config, method, dataset, attributes, pretrained)
     if config.method.task_loss == "conf_reg":
         dataset = _with_teacher_probs(config, dataset, model)
     mesh = parallel.make_mesh(config.num_devices or None)
@@ -142,6 +146,47 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
         mesh=mesh,
         diff_settings=diff_settings,
         debias=debias,
+        word_tokens=word_tokens,
+    )
+
+
+def _word_tokens(config, method, dataset, attributes, pretrained):
+    """``config.diff.word_rows``: each attribute's tokens (word_rows.py), or
+    None; a ValueError naming the field for a bad value or a run without
+    attribute diffs on a word table."""
+    from moddiffy_jax.methods import word_rows
+    from moddiffy_jax.subnets import selection
+
+    if "diff" not in config:
+        return None
+    k, share = config.diff.get("word_rows", 0), config.diff.get("word_rows_share", 0.1)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(
+            f"config.diff.word_rows={k!r}: give a whole number of tokens >= 0 "
+            "(0 lets every word row change)."
+        )
+    if not 0.0 <= float(share) <= 1.0:
+        raise ValueError(
+            f"config.diff.word_rows_share={share!r}: a share of the best "
+            "token's score, in [0, 1]."
+        )
+    if k == 0:
+        return None
+    table = selection.flatten(pretrained).get(word_rows.WORD_TABLE)
+    if config.diff.structured:
+        raise ValueError(
+            f"config.diff.word_rows={k} closes single rows of the word table; "
+            "a structured diff gates whole tensors: set diff.structured=False "
+            "or word_rows=0."
+        )
+    if method.debias != "modular" or table is None:
+        raise ValueError(
+            f"config.diff.word_rows={k} restricts the word rows of attribute "
+            f"diffs; method {method.name!r} on this model has none (it needs a "
+            "modular debiasing method on a text encoder): set it to 0."
+        )
+    return word_rows.attribute_tokens(
+        dataset.splits["train"], attributes, k, float(share), int(table.shape[0])
     )
 
 

@@ -288,6 +288,13 @@ def diff_config() -> ml_collections.ConfigDict:
     # they are exported with instead of one that keeps moving under them.
     # False: the paper's loop, the core trains in both phases.
     d.freeze_core_in_fixmask = False
+    # > 0: each attribute's diff may change only the word-embedding rows of
+    # at most this many tokens, those whose presence tells most about the
+    # attribute beyond the task label on the training split (each scoring at
+    # least word_rows_share times the best; methods/word_rows.py); the rest
+    # of the word table stays closed. 0: every row, as the paper.
+    d.word_rows = 0
+    d.word_rows_share = 0.1
     return d
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from moddiffy_jax import checkpoints
-from moddiffy_jax.methods import attribute_weights, common, removal
+from moddiffy_jax.methods import attribute_weights, common, removal, word_rows
 from moddiffy_jax.methods.interface import Method
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import selection
@@ -73,6 +73,10 @@ def init(ctx, rng: jax.Array) -> tuple[dict, dict]:
         trainable["task_diff"] = _new_diff(ctx, encoder)
     if method.debias == "modular":
         trainable["diffs"] = {attr: _new_diff(ctx, encoder) for attr in ctx.attributes}
+        for attr, tokens in (getattr(ctx, "word_tokens", None) or {}).items():
+            trainable["diffs"][attr] = word_rows.restrict(
+                trainable["diffs"][attr], tokens
+            )
     trainable.update(removal_parts(ctx, r_adv))
     return trainable, frozen
 
