@@ -355,6 +355,8 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     )
     results["selected"] = selected
     results["phase_steps"] = {p: method.phase_steps(config, p) for p in phases}
+    if ctx.word_tokens is not None:  # config.diff.word_rows
+        results["word_rows"] = _word_row_tokens(config, ctx.word_tokens)
     results["train_wall_time_s"] = time.time() - wall_start
     if config.eval.leakage and jax.process_index() == 0:
         results.update(_leakage(config, workdir, results, ctx.attributes))
@@ -420,3 +422,14 @@ def _leakage(config, workdir: Path, results: dict, attributes) -> dict[str, Any]
         "probe_whiten": probe_config.whiten,
         "eval_report": str(workdir / "eval" / "report.md"),
     }
+
+
+def _word_row_tokens(config, tokens) -> dict[str, list[str]]:
+    """The tokens whose word rows each attribute's diff may change, as text."""
+    from moddiffy_jax.methods import word_rows
+    from moddiffy_jax.models import text as text_lib
+
+    described = word_rows.describe(tokens, text_lib.load_tokenizer_for(config.model))
+    for attr, words in described.items():
+        logging.info("diff %s may change the word rows of: %s", attr, " ".join(words))
+    return described

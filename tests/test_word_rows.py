@@ -105,3 +105,10 @@ def test_a_debias_step_changes_only_its_attributes_rows():
 def test_bad_word_rows_settings_name_the_fix(method, overrides, message):
     with pytest.raises(ValueError, match=message):
         train.build_context(tiny(method, "", **overrides))
+
+
+def test_a_run_records_its_tokens_as_text():
+    got = train._word_row_tokens(
+        tiny("moddiffy_par"), {"gender": np.array([2002, 2016])}
+    )
+    assert got == {"gender": ["he", "she"]}
