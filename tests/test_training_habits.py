@@ -403,3 +403,21 @@ def test_table_normalized_state_survives_a_donating_jitted_update():
         changes, state = update(grads, state, params)
     words = changes["diffs"]["a"]["delta"]["embeddings"]["word_embeddings"]
     assert np.all(np.asarray(words["embedding"]) < 0)
+
+
+def test_a_diff_of_word_rows_alone_takes_the_word_rows_step():
+    # diff.include on the word table only, with its own word-row scale: the
+    # plain "diff" role then has nothing to take, which must not be an error.
+    rows = jnp.zeros((4, 3))
+    tree = {
+        "diffs": {
+            "a": {"delta": {"embeddings": {"word_embeddings": {"embedding": rows}}}}
+        },
+        "task_head": {"kernel": jnp.zeros((3, 2))},
+    }
+    optim = {**OPTIM, "lr_diff": 1e-3, "diff_words_lr_scale": 4.0}
+    opt = common.make_optimizer(optim)
+    grads = jax.tree.map(jnp.ones_like, tree)
+    changes, _ = opt.update(grads, opt.init(tree), tree)
+    word = changes["diffs"]["a"]["delta"]["embeddings"]["word_embeddings"]["embedding"]
+    np.testing.assert_allclose(word, -4e-3, rtol=1e-4)

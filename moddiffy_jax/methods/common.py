@@ -128,12 +128,18 @@ def role_labels(parts: PyTree, *, derived: bool = False) -> PyTree:
     """Role label of every leaf of ``parts`` from :data:`ROLE_RULES`
     (:data:`DERIVED_ROLES` only with ``derived``; else their parent's)."""
     paths = selection.tree_paths(parts)
-    rules = [
+    candidates = [
         (rule, role)
         for rule, role in ROLE_RULES
-        if any(re.fullmatch(rule, p) for p in paths)
-        and (derived or role not in DERIVED_ROLES)
+        if derived or role not in DERIVED_ROLES
     ]
+    # Only the rules that are some path's first match: a diff confined to its
+    # word table (diff.include) leaves the plain "diff" rule nothing to take.
+    first = {
+        next((i for i, (rule, _) in enumerate(candidates) if re.fullmatch(rule, p)), -1)
+        for p in paths
+    }
+    rules = [r for i, r in enumerate(candidates) if i in first]
     return selection.assign_roles(parts, rules)
 
 
