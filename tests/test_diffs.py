@@ -493,6 +493,28 @@ def test_prune_per_leaf_exact_count():
         dm.prune_to_sparsity(vals, keep=True)
 
 
+def test_prune_never_keeps_ineligible_entries():
+    vals = _tied_values()  # |v| sorted: 3,3,2,1,1,1,1,0,0,0,0 (a first, then b)
+    ok = {"a": np.ones((2, 3), bool), "b": np.ones(5, bool)}
+    ok["a"].reshape(-1)[[1, 5]] = False  # the two 3s: closed gates
+    ok["b"][[2, 4]] = False  # two zeros of leaf b
+    d = dm.prune_to_sparsity(vals, keep=3, eligible=ok)
+    np.testing.assert_array_equal(d.indices["a"], [2, 3])  # the 2, then a 1
+    np.testing.assert_array_equal(d.indices["b"], [3])
+    # An eligible zero beats an ineligible entry of any size, and a budget
+    # above the eligible count keeps every eligible entry and nothing else.
+    d = dm.prune_to_sparsity(vals, keep=11, eligible=ok)
+    assert d.nnz() == 7 and d.info["k"] == 7
+    for p in ("a", "b"):
+        np.testing.assert_array_equal(d.indices[p], np.flatnonzero(ok[p].reshape(-1)))
+    per_leaf = dm.prune_to_sparsity(vals, keep=5, scope="per_leaf", eligible=ok)
+    assert per_leaf.nnz_per_leaf() == {"a": 4, "b": 3}
+    mask = dm.magnitude_keep_mask(vals, keep=11, eligible=ok)
+    np.testing.assert_array_equal(mask["a"], ok["a"])
+    with pytest.raises(ValueError, match="eligible does not match"):
+        dm.prune_to_sparsity(vals, keep=2, eligible={"a": ok["a"]})
+
+
 def test_prune_matches_stable_sort_reference_and_is_deterministic():
     rng = np.random.default_rng(0)
     # Quantised values: lots of exact ties and zeros.

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moddiffy_jax import train
-from moddiffy_jax.methods import common, word_rows
+from moddiffy_jax.methods import common, moddiffy, word_rows
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import selection
 from tests.helpers import tiny
@@ -91,6 +91,29 @@ def test_a_debias_step_changes_only_its_attributes_rows():
     rows = np.abs(np.asarray(selection.flatten(values)[word_rows.WORD_TABLE])).sum(1)
     assert np.all(np.delete(rows, tokens["gender"]) == 0.0)
     assert rows[tokens["gender"]].sum() > 0.0  # the chosen rows did learn
+
+
+def test_the_cut_keeps_open_rows_only_when_the_budget_exceeds_them():
+    """A diff confined to its word table with a budget above its open rows
+    keeps exactly those rows: closed rows never reach fixmask to train."""
+    ctx, _, state, frozen, _ = _first_step(
+        "moddiffy_par",
+        **{
+            "diff.word_rows": 4,
+            "diff.include": (word_rows.WORD_TABLE,),
+            "diff.keep": 0.5,
+            "diff.prune_schedule": "final",
+        },
+    )
+    table = selection.flatten(state.trainable["diffs"]["gender"].delta)
+    hidden = np.shape(table[word_rows.WORD_TABLE])[1]
+    trainable, frozen = moddiffy.to_fixmask(ctx, dict(state.trainable), frozen)
+    for attr, tokens in ctx.word_tokens.items():
+        kept = np.asarray(
+            selection.flatten(frozen["indices"]["diffs"][attr])[word_rows.WORD_TABLE]
+        )
+        want = (np.asarray(tokens)[:, None] * hidden + np.arange(hidden)).reshape(-1)
+        np.testing.assert_array_equal(kept, np.sort(want))
 
 
 @pytest.mark.parametrize(

@@ -62,7 +62,9 @@ def to_fixmask(
     """Phase transition: prune every diff to its exact budget.
 
     Each DiffState becomes the kept values (deterministic gate times delta at
-    the kept entries); their indices move to ``frozen["indices"]``.
+    the kept entries); their indices move to ``frozen["indices"]``. Closed
+    gates are never kept, so a diff with fewer open entries than the budget
+    keeps exactly its open entries.
     """
     cfg = ctx.config
     include, exclude = standard.diff_rules(cfg)
@@ -72,6 +74,9 @@ def to_fixmask(
         state = common.get_part(trainable, key)
         values = diffs_lib.dense_diff_values(state, hc=ctx.diff_settings.hc)
         base = base_for_diff(ctx, trainable, frozen, key)
+        # Entries closed for good (word_rows, gradual pruning) are never
+        # kept: when the budget exceeds the open entries, the cut keeps
+        # every open entry and nothing else, so fixmask cannot train them.
         sd = diffs_lib.prune_to_sparsity(
             jax.device_get(values),
             keep=cfg.diff.keep,
@@ -80,6 +85,7 @@ def to_fixmask(
             base_fingerprint="",
             rules=(include, exclude),
             info={"method": ctx.method.name},
+            eligible=jax.device_get(diffs_lib.open_entries(state)),
         )
         # Leaves with no kept entry are left out of the trained state (Orbax
         # cannot store empty arrays); exports restore them from the rules.
@@ -202,7 +208,10 @@ def close_diff_gates(
             nu = adam_second_moment(opt_states[sub], key)
             values = jax.tree.map(lambda v, n: v * np.sqrt(n), values, nu)
         mask = diffs_lib.magnitude_keep_mask(
-            jax.device_get(values), keep=keep, scope=ctx.config.diff.scope
+            jax.device_get(values),
+            keep=keep,
+            scope=ctx.config.diff.scope,
+            eligible=jax.device_get(diffs_lib.open_entries(state)),
         )
         trainable = common.set_part(trainable, key, diffs_lib.close_gates(state, mask))
     return trainable

@@ -325,6 +325,12 @@ def dense_diff_values(state: DiffState, *, hc: HardConcrete = HardConcrete()) ->
 CLOSED_LOG_ALPHA = -50.0
 
 
+def open_entries(state: DiffState) -> PyTree:
+    """Bool subtree shaped like ``state.delta``: True where the gate is not
+    closed for good by :func:`close_gates` (what a later cut may keep)."""
+    return jax.tree.map(lambda la: la > CLOSED_LOG_ALPHA / 2, state.log_alpha)
+
+
 def close_gates(state: DiffState, keep: PyTree) -> DiffState:
     """Closes every entry outside ``keep``: ``delta = 0`` and a shut gate.
 

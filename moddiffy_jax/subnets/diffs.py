@@ -36,6 +36,7 @@ from moddiffy_jax.subnets.dense_diff import (
     diff_gates,
     init_diff,
     l0_penalty,
+    open_entries,
 )
 from moddiffy_jax.subnets.diff_files import (
     FORMAT_NAME,
@@ -81,6 +82,7 @@ __all__ = [
     "l0_penalty",
     "load_sparse_diff",
     "magnitude_keep_mask",
+    "open_entries",
     "pack_diffs",
     "prune_to_sparsity",
     "pruning_diff",

@@ -541,27 +541,40 @@ def _topk_threshold(magnitudes: np.ndarray, k: int) -> Any:
 
 
 def _select_topk(
-    leaves: Sequence[tuple[str, np.ndarray]], k: int, mdtype: np.dtype
+    leaves: Sequence[tuple[str, np.ndarray]],
+    k: int,
+    mdtype: np.dtype,
+    eligible: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Exactly k flat indices per the ordering (|v| desc, leaf order, index asc)."""
+    """Exactly k flat indices per the ordering (|v| desc, leaf order, index asc).
+
+    With ``eligible`` (bool arrays by path), entries marked False rank below
+    every eligible one (magnitude -1) and ``k`` must not exceed the eligible
+    count (:func:`prune_to_sparsity` caps it).
+    """
     if k == 0:
         return {p: np.zeros((0,), np.int64) for p, _ in leaves}
-    magnitudes = np.concatenate(
-        [np.abs(a.reshape(-1)).astype(mdtype, copy=False) for _, a in leaves]
-    )
+
+    def magnitude(p: str, a: np.ndarray) -> np.ndarray:
+        m = np.abs(a.reshape(-1)).astype(mdtype, copy=False)
+        if eligible is None:
+            return m
+        return np.where(np.asarray(eligible[p]).reshape(-1), m, mdtype.type(-1))
+
+    magnitudes = np.concatenate([magnitude(p, a) for p, a in leaves])
     if np.isnan(magnitudes).any():
         raise ValueError("Cannot prune values containing NaN.")
     threshold = _topk_threshold(magnitudes, k)
     del magnitudes
     above = {}
     for p, a in leaves:
-        above[p] = np.flatnonzero(np.abs(a.reshape(-1)).astype(mdtype) > threshold)
+        above[p] = np.flatnonzero(magnitude(p, a) > threshold)
     remaining = k - sum(len(i) for i in above.values())
     kept = {}
     for p, a in leaves:
         ties = np.zeros((0,), np.int64)
         if remaining > 0:
-            ties = np.flatnonzero(np.abs(a.reshape(-1)).astype(mdtype) == threshold)
+            ties = np.flatnonzero(magnitude(p, a) == threshold)
             ties = ties[:remaining]
             remaining -= len(ties)
         kept[p] = np.sort(np.concatenate([above[p], ties]))
@@ -578,6 +591,7 @@ def prune_to_sparsity(
     base_fingerprint: str = "",
     rules: Any = (),
     info: Mapping[str, Any] | None = None,
+    eligible: PyTree | None = None,
 ) -> SparseDiff:
     """Magnitude pruning to an exact number of kept entries (host-side).
 
@@ -608,9 +622,15 @@ def prune_to_sparsity(
       rules: the selection rules, in any form :meth:`SparseDiff.from_dense`
         accepts (stored as metadata).
       info: extra JSON-serialisable info, merged over the pruning settings.
+      eligible: optional bool subtree shaped like ``values_subtree``; entries
+        marked False are never kept (e.g. gates closed for good by
+        :func:`close_gates`), and when fewer than ``k`` entries are eligible
+        every eligible one is kept: the budget is then an upper bound, since
+        keeping a closed entry would let the next phase train it.
 
     Returns:
-      A :class:`SparseDiff` with ``nnz() == k`` (global) or ``k_leaf`` per leaf.
+      A :class:`SparseDiff` with ``nnz() == k`` (global) or ``k_leaf`` per leaf,
+      or the eligible count where that is smaller.
 
     Raises:
       ValueError: for an unknown scope, a keep outside its range, NaN values,
@@ -620,15 +640,30 @@ def prune_to_sparsity(
     dtype = _common_dtype(arrays)
     mdtype = _magnitude_dtype(dtype)
     leaves = list(arrays.items())
+    ok = None
+    if eligible is not None:
+        ok = {p: np.asarray(_host(v), bool) for p, v in flatten(eligible).items()}
+        bad = [p for p, a in arrays.items() if np.shape(ok.get(p)) != a.shape]
+        if bad:
+            raise ValueError(
+                f"eligible does not match the values at {bad[:3]}: pass a bool "
+                "subtree with the values' paths and shapes."
+            )
+
+    def n_eligible(paths: Sequence[str]) -> int:
+        if ok is None:
+            return sum(arrays[p].size for p in paths)
+        return sum(int(ok[p].sum()) for p in paths)
+
     if scope == "global":
         k = _resolve_keep(keep, sum(a.size for a in arrays.values()), "all leaves")
-        kept = _select_topk(leaves, k, mdtype)
+        k = min(k, n_eligible(list(arrays)))
+        kept = _select_topk(leaves, k, mdtype, ok)
     elif scope == "per_leaf":
         kept = {}
         for p, a in leaves:
-            kept.update(
-                _select_topk([(p, a)], _resolve_keep(keep, a.size, repr(p)), mdtype)
-            )
+            k_leaf = min(_resolve_keep(keep, a.size, repr(p)), n_eligible([p]))
+            kept.update(_select_topk([(p, a)], k_leaf, mdtype, ok))
         k = sum(len(i) for i in kept.values())
     else:
         raise ValueError(f"Unknown scope {scope!r}; valid: 'global', 'per_leaf'.")
@@ -645,10 +680,14 @@ def prune_to_sparsity(
 
 
 def magnitude_keep_mask(
-    values_subtree: PyTree, *, keep: int | float, scope: str = "global"
+    values_subtree: PyTree,
+    *,
+    keep: int | float,
+    scope: str = "global",
+    eligible: PyTree | None = None,
 ) -> PyTree:
     """Bool subtree marking the entries :func:`prune_to_sparsity` would keep."""
-    sd = prune_to_sparsity(values_subtree, keep=keep, scope=scope)
+    sd = prune_to_sparsity(values_subtree, keep=keep, scope=scope, eligible=eligible)
     out = {}
     for path, leaf in flatten(values_subtree).items():
         mask = np.zeros(np.size(leaf), bool)
