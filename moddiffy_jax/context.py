@@ -103,6 +103,7 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
     if "diff" in config:  # only the diff family's configs carry it.
         check_prune_config(config.diff)
         check_frozen_core(config)
+        check_compose(config, method)
         diff_settings = common.DiffSettings(
             hc=hard_concrete.HardConcrete(
                 left=config.diff.left,
@@ -310,6 +311,26 @@ def check_frozen_core(config: ml_collections.ConfigDict) -> None:
             "task_guard=True: the guard compares each diff with the core's "
             "accuracy from the task step, which the fixmask phase then skips; "
             "turn one of them off."
+        )
+
+
+def check_compose(config: ml_collections.ConfigDict, method) -> None:
+    """``diff.compose_prob``: a probability, for attribute diffs on a trained
+    core or a frozen base (methods/common.with_other_diffs)."""
+    p = config.diff.get("compose_prob", 0.0)
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+        raise ValueError(
+            f"config.diff.compose_prob={p!r}: the probability that a debias "
+            "step sees each other attribute's diff, in [0, 1] (0: only its own)."
+        )
+    if p > 0 and (
+        method.debias != "modular" or method.encoder not in ("full", "frozen")
+    ):
+        raise ValueError(
+            f"config.diff.compose_prob={p} adds the other attributes' diffs "
+            "in each debias step; it needs attribute diffs on a core or a "
+            f"frozen encoder (moddiffy_par, moddiffy_post), not {method.name!r}: "
+            "set it to 0."
         )
 
 

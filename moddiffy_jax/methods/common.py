@@ -662,6 +662,47 @@ def _guarded(removed, trainable, batch, logits, attribute, debias, core_acc):
     )
 
 
+def with_other_diffs(
+    method: MethodDef,
+    trainable: Mapping[str, Any],
+    frozen: Mapping[str, Any],
+    others: Sequence[str],
+    prob: float,
+    rng: jax.Array,
+    *,
+    phase: str,
+    settings: DiffSettings,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(trainable, frozen)`` whose core (or frozen base) carries each of the
+    ``others``' diffs with probability ``prob`` (one draw per diff and step;
+    deterministic gates in ``l0``; no gradient reaches them).
+
+    A debias step that sees its attribute's diff beside the others' learns a
+    removal that still holds when the diffs are composed
+    (``config.diff.compose_prob``).
+    """
+    key = "core" if method.encoder == "full" else "base"
+    tree = trainable if key == "core" else frozen
+    params = tree[key]
+    indices = frozen.get("indices", {}).get("diffs", {})
+    for i, other in enumerate(others):
+        present = jax.random.bernoulli(jax.random.fold_in(rng, i), prob)
+        part = jax.lax.stop_gradient(trainable["diffs"][other])
+        added = apply_diff_part(
+            params,
+            part,
+            indices.get(other),
+            phase=phase,
+            settings=settings,
+            rng=None,
+            train=False,
+        )
+        params = jax.tree.map(lambda a, b, p=present: jnp.where(p, a, b), added, params)
+    if key == "core":
+        return {**trainable, "core": params}, dict(frozen)
+    return dict(trainable), {**frozen, "base": params}
+
+
 def make_debias_loss(
     model: Any,
     method: MethodDef,
@@ -671,19 +712,36 @@ def make_debias_loss(
     diff_settings: DiffSettings,
     debias: removal.DebiasSettings,
     task_loss: str = "ce",
+    others: Sequence[str] = (),
+    others_prob: float = 0.0,
 ) -> Callable:
     """Loss of attribute ``attribute``'s modular debias step.
 
     task CE through the (shared) task head + the removal term + L0 of this
     attribute's diff only (the reference always penalised diff 0; spec §4.2).
+    With ``others`` and ``others_prob > 0`` the forward adds each other
+    attribute's diff with that probability (:func:`with_other_diffs`).
     """
 
     def loss(trainable, frozen, batch, rng):
+        seen, seen_frozen = trainable, frozen
+        if others and others_prob > 0.0:
+            rng, r_others = jax.random.split(rng)
+            seen, seen_frozen = with_other_diffs(
+                method,
+                trainable,
+                frozen,
+                others,
+                others_prob,
+                r_others,
+                phase=phase,
+                settings=diff_settings,
+            )
         h, logits, terms, r_adv, task_of = _task_forward(
             model,
             method,
-            trainable,
-            frozen,
+            seen,
+            seen_frozen,
             batch,
             rng,
             phase=phase,

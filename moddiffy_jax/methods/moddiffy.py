@@ -304,6 +304,11 @@ def diff_config() -> ml_collections.ConfigDict:
     # of the word table stays closed. 0: every row, as the paper.
     d.word_rows = 0
     d.word_rows_share = 0.1
+    # > 0: in each debias step every other attribute's diff is added to the
+    # core with this probability (no gradient into it), so each diff learns
+    # a removal that holds when the diffs are composed. 0: each diff sees
+    # only the core, as the paper.
+    d.compose_prob = 0.0
     return d
 
 

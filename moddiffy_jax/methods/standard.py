@@ -139,6 +139,10 @@ def substeps(ctx, phase: str, trainable: dict) -> list[common.SubStep]:
         subs.append(common.SubStep("task", tuple(updates), loss, optimizer))
     if method.debias == "modular":
         head = "task_head" in trainable and not ctx.config.method.freeze_task_head
+        # diff.compose_prob > 0: each debias step sees the other attributes'
+        # diffs too (common.with_other_diffs); its loss then reads them by
+        # name, so it is written for its own attribute, not shared.
+        compose = float(ctx.config.get("diff", {}).get("compose_prob", 0.0))
         shared_losses: dict[str, Any] = {}
         for attr in ctx.attributes:
             # Attributes whose removal terms read equal settings share one
@@ -147,6 +151,8 @@ def substeps(ctx, phase: str, trainable: dict) -> list[common.SubStep]:
             settings = ctx.debias and removal.attribute_settings(
                 ctx.debias, attr, common.SHARED_ATTRIBUTE
             )
+            if compose > 0.0:
+                settings = None
             name = attr if settings is None else common.SHARED_ATTRIBUTE
             updates = [("diffs", name)]
             if adversarial:
@@ -163,6 +169,8 @@ def substeps(ctx, phase: str, trainable: dict) -> list[common.SubStep]:
                     diff_settings=ctx.diff_settings,
                     debias=ctx.debias if settings is None else settings,
                     task_loss=task_loss,
+                    others=tuple(a for a in ctx.attributes if a != name),
+                    others_prob=compose,
                 )
 
             if settings is None:
