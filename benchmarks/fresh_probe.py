@@ -42,18 +42,37 @@ import numpy as np
 SPLITS = ("train", "dev", "test")
 
 
-def export_run(run: Path) -> Path:
-    """Writes ``run/eval/reps/<configuration>.npz`` for a finished run."""
+def reps_dir(run: Path, test_examples: int = 0) -> Path:
+    """Where :func:`export_run` writes: ``eval/reps``, or ``eval/reps_test<N>``
+    for a run probed on a larger synthetic test split."""
+    return run / "eval" / (f"reps_test{test_examples}" if test_examples else "reps")
+
+
+def export_run(run: Path, test_examples: int = 0) -> Path:
+    """Writes ``run/eval/reps/<configuration>.npz`` for a finished run.
+
+    ``test_examples > 0`` (synthetic data only) regenerates the test split
+    with that many examples; each split has its own random stream, so the
+    train and dev splits (and every trained weight) stay as they were.
+    """
     from moddiffy_jax import train
     from moddiffy_jax.eval import composition
 
     config = composition.load_run_config(run)
+    if test_examples:
+        if config.data.source != "synthetic":
+            raise SystemExit(
+                f"--test_examples regenerates a synthetic test split; {run} "
+                f"trained on {config.data.source!r}."
+            )
+        with config.unlocked():
+            config.data.synthetic.num_test = test_examples
     art = composition.load_artifacts(run)
     ctx = train.build_context(config)
     evaluator = train.Evaluator(ctx)
     rep = composition.Representer(ctx, 128)
     names = [a for a in ctx.attributes if a in art.diffs]
-    out = run / "eval" / "reps"
+    out = reps_dir(run, test_examples)
     out.mkdir(parents=True, exist_ok=True)
     subsets = [()] + [(n,) for n in names]
     if len(names) > 1:

@@ -33,12 +33,12 @@ import fresh_probe  # noqa: E402
 import linear_eraser  # noqa: E402
 
 
-def probe_run(run: Path) -> dict:
+def probe_run(run: Path, test_examples: int = 0) -> dict:
     from moddiffy_jax.eval import removal
 
-    reps = run / "eval" / "reps"
+    reps = fresh_probe.reps_dir(run, test_examples)
     if not (reps / "core.npz").exists():
-        fresh_probe.export_run(run)
+        fresh_probe.export_run(run, test_examples)
     files = sorted(reps.glob("core*.npz"), key=lambda p: (len(p.stem), p.stem))
     core = np.load(files[0])
     skip = ("train_h", "train_task", "train_task_pred")
@@ -87,12 +87,22 @@ def _fmt(x):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", action="append", required=True)
+    parser.add_argument(
+        "--test_examples",
+        type=int,
+        default=0,
+        help="synthetic runs: score on a fresh test split of this many examples "
+        "(the run's own: 500; see benchmarks/gap_noise.py for why more)",
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     results = {}
     for r in args.run:
-        res = probe_run(Path(r))
-        (Path(r) / "eval" / "sk_probes.json").write_text(json.dumps(res, indent=1))
+        res = probe_run(Path(r), args.test_examples)
+        name = (
+            f"sk_probes_test{args.test_examples}" if args.test_examples else "sk_probes"
+        )
+        (Path(r) / "eval" / f"{name}.json").write_text(json.dumps(res, indent=1))
         results[r] = res
         print(
             f"## {r}  floors: "
