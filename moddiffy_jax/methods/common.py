@@ -39,6 +39,14 @@ import optax
 from moddiffy_jax import objectives
 from moddiffy_jax.methods import attribute_weights, removal, table_adam
 
+# Diff parts and their settings live in diff_parts.py; importable here too.
+from moddiffy_jax.methods.diff_parts import (
+    DiffSettings,
+    add_sparse,  # noqa: F401
+    apply_diff_part,
+    with_other_diffs,
+)
+
 # The step machinery lives in steps.py; these names stay importable here.
 from moddiffy_jax.methods.steps import (
     SHARED_ATTRIBUTE,  # noqa: F401
@@ -66,8 +74,8 @@ from moddiffy_jax.methods.terms import (
     total,
 )
 from moddiffy_jax.subnets import diffs as diffs_lib
-from moddiffy_jax.subnets import hard_concrete, selection
 from moddiffy_jax.subnets import masks as masks_lib
+from moddiffy_jax.subnets import selection
 
 PyTree = Any
 
@@ -320,54 +328,6 @@ def schedule_substeps(
 
 # --------------------------------------------------------------------------
 # Encoder parameters of a configuration.
-
-
-@dataclasses.dataclass(frozen=True)
-class DiffSettings:
-    """Static hyperparameters of the diffs of one run."""
-
-    hc: hard_concrete.HardConcrete
-    straight_through: bool
-    l0_weight: float
-    # Parameter paths the model reads only by rows (its word embeddings): in
-    # training a diff builds just the rows a batch reads (dense_diff.GatedRows).
-    gathered: tuple[str, ...] = ()
-
-
-def add_sparse(
-    base: PyTree, indices: Mapping[str, Any], values: Mapping[str, Any]
-) -> PyTree:
-    """``base`` plus a scatter of ``values`` at flat ``indices`` (nested dicts)."""
-
-    def add(leaf, idx, val):
-        flat = leaf.reshape(-1).at[idx].add(val.astype(leaf.dtype))
-        return flat.reshape(leaf.shape)
-
-    return selection.map_subtree(add, base, indices, values)
-
-
-def apply_diff_part(
-    base: PyTree,
-    part: Any,
-    indices: Any,
-    *,
-    phase: str,
-    settings: DiffSettings,
-    rng: jax.Array | None,
-    train: bool,
-) -> PyTree:
-    """Adds one diff (a DiffState in ``l0``, sparse values in ``fixmask``)."""
-    if phase == "l0":
-        return diffs_lib.apply_dense_diff(
-            base,
-            part,
-            rng=rng,
-            hc=settings.hc,
-            train=train,
-            straight_through=settings.straight_through,
-            gathered=settings.gathered,
-        )
-    return add_sparse(base, indices, part)
 
 
 def encoder_params(
@@ -660,47 +620,6 @@ def _guarded(removed, trainable, batch, logits, attribute, debias, core_acc):
         settings=debias,
         step=batch.get(STEP_KEY),
     )
-
-
-def with_other_diffs(
-    method: MethodDef,
-    trainable: Mapping[str, Any],
-    frozen: Mapping[str, Any],
-    others: Sequence[str],
-    prob: float,
-    rng: jax.Array,
-    *,
-    phase: str,
-    settings: DiffSettings,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(trainable, frozen)`` whose core (or frozen base) carries each of the
-    ``others``' diffs with probability ``prob`` (one draw per diff and step;
-    deterministic gates in ``l0``; no gradient reaches them).
-
-    A debias step that sees its attribute's diff beside the others' learns a
-    removal that still holds when the diffs are composed
-    (``config.diff.compose_prob``).
-    """
-    key = "core" if method.encoder == "full" else "base"
-    tree = trainable if key == "core" else frozen
-    params = tree[key]
-    indices = frozen.get("indices", {}).get("diffs", {})
-    for i, other in enumerate(others):
-        present = jax.random.bernoulli(jax.random.fold_in(rng, i), prob)
-        part = jax.lax.stop_gradient(trainable["diffs"][other])
-        added = apply_diff_part(
-            params,
-            part,
-            indices.get(other),
-            phase=phase,
-            settings=settings,
-            rng=None,
-            train=False,
-        )
-        params = jax.tree.map(lambda a, b, p=present: jnp.where(p, a, b), added, params)
-    if key == "core":
-        return {**trainable, "core": params}, dict(frozen)
-    return dict(trainable), {**frozen, "base": params}
 
 
 def make_debias_loss(
