@@ -34,11 +34,17 @@ import linear_eraser  # noqa: E402
 
 
 def probe_run(run: Path, test_examples: int = 0) -> dict:
-    from moddiffy_jax.eval import removal
-
     reps = fresh_probe.reps_dir(run, test_examples)
     if not (reps / "core.npz").exists():
         fresh_probe.export_run(run, test_examples)
+    return probe_reps(reps)
+
+
+def probe_reps(reps: Path) -> dict:
+    """Probes every ``core*.npz`` of a representation directory (``core.npz``
+    is the reference row)."""
+    from moddiffy_jax.eval import removal
+
     files = sorted(reps.glob("core*.npz"), key=lambda p: (len(p.stem), p.stem))
     core = np.load(files[0])
     skip = ("train_h", "train_task", "train_task_pred")
@@ -84,6 +90,21 @@ def _fmt(x):
     return "n/a" if x is None else f"{x:.2f}"
 
 
+def print_probes(title: str, res: dict) -> None:
+    print(
+        f"## {title}  floors: "
+        + ", ".join(f"{a} {v:.3f}" for a, v in res["floors"].items())
+    )
+    for label, row in res["rows"].items():
+        cells = [f"acc {row['test_acc']:.3f} ({row['task_change_points']:+.1f})"]
+        for a in res["attributes"]:
+            cells.append(
+                f"{a} {row[f'{a}/lin']:.3f} / {row[f'{a}/mlp']:.3f} "
+                f"closed {_fmt(row[f'{a}/lin_closed'])} / {_fmt(row[f'{a}/mlp_closed'])}"
+            )
+        print(f"{label:24s} " + " | ".join(cells), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", action="append", required=True)
@@ -104,18 +125,7 @@ def main() -> None:
         )
         (Path(r) / "eval" / f"{name}.json").write_text(json.dumps(res, indent=1))
         results[r] = res
-        print(
-            f"## {r}  floors: "
-            + ", ".join(f"{a} {v:.3f}" for a, v in res["floors"].items())
-        )
-        for label, row in res["rows"].items():
-            cells = [f"acc {row['test_acc']:.3f} ({row['task_change_points']:+.1f})"]
-            for a in res["attributes"]:
-                cells.append(
-                    f"{a} {row[f'{a}/lin']:.3f} / {row[f'{a}/mlp']:.3f} "
-                    f"closed {_fmt(row[f'{a}/lin_closed'])} / {_fmt(row[f'{a}/mlp_closed'])}"
-                )
-            print(f"{label:18s} " + " | ".join(cells), flush=True)
+        print_probes(r, res)
     if len(results) > 1:
         print("## mean ± std over runs")
         first = next(iter(results.values()))

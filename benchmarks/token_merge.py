@@ -1,0 +1,152 @@
+r"""Token-merge diffs on a finished run's core, scored beside its trained diffs.
+
+For a finished run (``--run``), per attribute: rank the tokens by
+``I(token present; attribute | task label)`` on the training split
+(:mod:`moddiffy_jax.methods.word_rows`, at most ``--candidates`` tokens,
+each at least ``--share`` of the best), then merge the longest prefix of
+that ranking whose task cost on the dev split (the run's own head) stays
+within ``--max_drop`` points (:func:`moddiffy_jax.methods.token_merge.choose_count`).
+The merge diffs are written to ``<run>/token_merge/<attribute>.safetensors``
+(ordinary sparse diff files on the core). Then the core, core + each merge
+diff and core + all of them are probed as ``benchmarks/sk_probes.py`` does
+(scikit-learn linear / MLP probes fit on train, test balanced accuracy, gap
+closed toward the floor), with ``--test_examples`` as there.
+
+    python benchmarks/token_merge.py --run runs/moddiffy_par --max_drop 1.0
+
+Needs scikit-learn (not a dependency of the library).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import sk_probes  # noqa: E402
+
+SPLITS = ("train", "test")
+COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def _with_table(params, table):
+    from moddiffy_jax.methods.word_rows import WORD_TABLE
+    from moddiffy_jax.subnets import selection
+
+    flat = dict(selection.flatten(params))
+    flat[WORD_TABLE] = table
+    return selection.unflatten(flat)
+
+
+def merge_run(run: Path, args) -> dict:
+    import jax.numpy as jnp
+
+    from moddiffy_jax import train
+    from moddiffy_jax.eval import composition
+    from moddiffy_jax.methods import token_merge, word_rows
+    from moddiffy_jax.models import text as text_lib
+    from moddiffy_jax.subnets import diff_files, selection
+
+    config = composition.load_run_config(run)
+    if args.test_examples:
+        if config.data.source != "synthetic":
+            raise SystemExit("--test_examples regenerates a synthetic test split.")
+        with config.unlocked():
+            config.data.synthetic.num_test = args.test_examples
+    art = composition.load_artifacts(run)
+    ctx = train.build_context(config)
+    evaluator = train.Evaluator(ctx)
+    rep = composition.Representer(ctx, 128)
+    core = art.core
+    table = np.asarray(selection.flatten(core)[word_rows.WORD_TABLE])
+    dev_core = evaluator.task_accuracy(core, art.head, "dev")
+    tokenizer = text_lib.load_tokenizer_for(config.model)
+    out_dir = run / "token_merge"
+    out_dir.mkdir(exist_ok=True)
+    summary, diffs = {}, {}
+    for attr in ctx.attributes:
+        ranked = word_rows.attribute_tokens(
+            ctx.data.splits["train"],
+            [attr],
+            args.candidates,
+            args.share,
+            table.shape[0],
+        )[attr]
+        target = token_merge.merge_target(core, ranked)
+
+        def drop(ids, target=target):
+            t = table.copy()
+            t[ids] = target
+            acc = evaluator.task_accuracy(
+                _with_table(core, jnp.asarray(t)), art.head, "dev"
+            )
+            return 100.0 * (dev_core - acc)
+
+        counts = [c for c in COUNTS if c <= len(ranked)]
+        k, read = token_merge.choose_count(ranked, drop, args.max_drop, counts)
+        tokens = word_rows.describe({attr: ranked[:k]}, tokenizer)[attr] if k else []
+        print(
+            f"{attr}: {len(ranked)} candidates; dev cost by prefix {read}; merged {k}: {tokens}",
+            flush=True,
+        )
+        summary[attr] = {
+            "candidates": len(ranked),
+            "dev_cost": read,
+            "merged": k,
+            "tokens": tokens,
+        }
+        if k:
+            diff = token_merge.merge_diff(
+                core, ranked[:k], target, name=attr, info={"max_drop": args.max_drop}
+            )
+            diff_files.save_sparse_diff(
+                out_dir / f"{attr}.safetensors", diff, overwrite=True
+            )
+            diffs[attr] = diff
+    reps = out_dir / (
+        f"reps_test{args.test_examples}" if args.test_examples else "reps"
+    )
+    reps.mkdir(exist_ok=True)
+    names = list(diffs)
+    subsets = [()] + [(n,) for n in names] + ([tuple(names)] if len(names) > 1 else [])
+    for subset in subsets:
+        params = evaluator.compose(core, [diffs[n] for n in subset]) if subset else core
+        arrays = {}
+        for s in SPLITS:
+            split = ctx.data.splits[s]
+            h = rep.represent(params, s)
+            arrays[f"{s}_h"] = h
+            arrays[f"{s}_task"] = np.asarray(split.task)
+            arrays[f"{s}_task_pred"] = rep.predict(art.head, h)
+            for a in ctx.attributes:
+                arrays[f"{s}_{a}"] = np.asarray(split.attrs[a])
+        np.savez(
+            reps / ("core" + "".join(f"+merge_{n}" for n in subset) + ".npz"), **arrays
+        )
+    res = sk_probes.probe_reps(reps)
+    res["merge"] = summary
+    (reps / "probes.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", action="append", required=True)
+    parser.add_argument("--max_drop", type=float, default=1.0, help="dev task points")
+    parser.add_argument("--candidates", type=int, default=64)
+    parser.add_argument("--share", type=float, default=0.1)
+    parser.add_argument("--test_examples", type=int, default=0)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    for r in args.run:
+        sk_probes.print_probes(r, merge_run(Path(r), args))
+
+
+if __name__ == "__main__":
+    main()

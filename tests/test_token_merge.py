@@ -1,0 +1,118 @@
+"""Token-merge diffs (methods/token_merge.py)."""
+
+import jax
+import numpy as np
+import pytest
+
+from moddiffy_jax.methods import token_merge
+from moddiffy_jax.methods.word_rows import WORD_TABLE
+from moddiffy_jax.models import bert
+from moddiffy_jax.subnets import diff_files, selection
+from moddiffy_jax.subnets import sparse_diff as sparse_lib
+
+VOCAB = 40
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = bert.BertConfig.tiny(vocab_size=VOCAB)
+    return config, bert.init_params(config, jax.random.key(0, impl="rbg"))
+
+
+def _hidden(config, params, ids):
+    ids = np.asarray([ids], np.int32)
+    out = bert.encode(config, params, (ids, np.ones_like(ids)))
+    return np.asarray(out.last_hidden_state[0])
+
+
+def test_merged_tokens_cannot_be_told_apart_anywhere(model):
+    config, params = model
+    target = token_merge.merge_target(params, [5, 6, 7])
+    diff = token_merge.merge_diff(params, [5, 6], target, name="gender")
+    merged = sparse_lib.apply_diffs(params, [diff])
+    hidden = config.hidden_size
+    assert diff.nnz_per_leaf() == {WORD_TABLE: 2 * hidden}
+    assert diff.base_fingerprint == sparse_lib.fingerprint(params)
+    assert diff.info["tokens"] == [5, 6]
+    table = np.asarray(selection.flatten(merged)[WORD_TABLE])
+    base = np.asarray(selection.flatten(params)[WORD_TABLE])
+    np.testing.assert_allclose(table[[5, 6]], np.stack([target, target]), atol=1e-7)
+    np.testing.assert_array_equal(table[7:], base[7:])  # 7 is a candidate only
+    np.testing.assert_array_equal(table[:5], base[:5])
+    # Two sentences that differ only in a merged token encode alike; a merged
+    # and an unmerged token still differ.
+    a = _hidden(config, merged, [2, 5, 9, 3])
+    b = _hidden(config, merged, [2, 6, 9, 3])
+    c = _hidden(config, merged, [2, 8, 9, 3])
+    assert np.abs(a - b).max() < 1e-5
+    assert np.abs(a - c).max() > 1e-2
+    # Before the merge they differed.
+    assert (
+        np.abs(
+            _hidden(config, params, [2, 5, 9, 3])
+            - _hidden(config, params, [2, 6, 9, 3])
+        ).max()
+        > 1e-2
+    )
+
+
+def test_a_merge_diff_is_an_ordinary_diff_file(model, tmp_path):
+    _, params = model
+    target = token_merge.merge_target(params, [3, 4])
+    diff = token_merge.merge_diff(params, [3, 4], target, name="age", info={"k": 2})
+    path = diff_files.save_sparse_diff(tmp_path / "age.safetensors", diff)
+    back = diff_files.load_sparse_diff(path, base=params)
+    assert back.name == "age" and back.info["method"] == "token_merge"
+    assert back.info["k"] == 2
+    np.testing.assert_array_equal(
+        np.asarray(back.values[WORD_TABLE]), np.asarray(diff.values[WORD_TABLE])
+    )
+
+
+def test_merge_target_is_the_candidates_mean(model):
+    _, params = model
+    base = np.asarray(selection.flatten(params)[WORD_TABLE])
+    np.testing.assert_allclose(
+        token_merge.merge_target(params, [1, 2, 9]), base[[1, 2, 9]].mean(0), atol=1e-7
+    )
+
+
+@pytest.mark.parametrize(
+    "ids, message",
+    [([], "No candidate"), ([3, 3], "distinct"), ([VOCAB], r"\[0, 40\)")],
+)
+def test_bad_tokens_are_refused(model, ids, message):
+    _, params = model
+    with pytest.raises(ValueError, match=message):
+        token_merge.merge_target(params, ids)
+
+
+def test_params_without_a_word_table_are_refused():
+    with pytest.raises(ValueError, match="word-embedding table"):
+        token_merge.merge_target({"dense": {"kernel": np.zeros((2, 2))}}, [0])
+
+
+def test_choose_count_keeps_the_longest_prefix_within_budget():
+    ranked = [10, 11, 12, 13, 14, 15]
+    costs = {1: 0.0, 2: 0.6, 3: 0.8, 4: 1.4, 5: 0.2, 6: 3.0}  # noisy, not monotone
+    seen = []
+
+    def drop(ids):
+        seen.append(list(ids))
+        return costs[len(ids)]
+
+    k, read = token_merge.choose_count(ranked, drop, max_drop=1.0)
+    assert k == 5  # 4 is over budget, 5 is within it again
+    assert read == [(n, costs[n]) for n in range(1, 7)]
+    assert seen[1] == [10, 11]  # prefixes of the ranking
+    # Costs summed in floating point land just above a budget they meet.
+    k, _ = token_merge.choose_count(
+        ranked, lambda ids: 0.1 * 3 if len(ids) < 3 else 9.0, 0.3
+    )
+    assert k == 2
+    k, _ = token_merge.choose_count(ranked, lambda ids: 5.0, 1.0, counts=[2, 4])
+    assert k == 0
+    with pytest.raises(ValueError, match="ascending"):
+        token_merge.choose_count(ranked, drop, 1.0, counts=[2, 2])
+    with pytest.raises(ValueError, match="lie in"):
+        token_merge.choose_count(ranked, drop, 1.0, counts=[1, 7])
