@@ -3,12 +3,16 @@ r"""Token-merge diffs on a finished run's core, scored beside its trained diffs.
 For a finished run (``--run``), per attribute: rank the tokens by
 ``I(token present; attribute | task label)`` on the training split
 (:mod:`moddiffy_jax.methods.word_rows`, at most ``--candidates`` tokens,
-each at least ``--share`` of the best), then merge the longest prefix of
-that ranking whose task cost on the dev split (the run's own head) stays
-within ``--max_drop`` points (:func:`moddiffy_jax.methods.token_merge.choose_count`).
-The merge diffs are written to ``<run>/token_merge/<attribute>.safetensors``
-(ordinary sparse diff files on the core). Then the core, core + each merge
-diff and core + all of them are probed as ``benchmarks/sk_probes.py`` does
+each at least ``--share`` of the best), read the task cost of merging each
+prefix of that ranking (the run's own head; accuracy points lost on train
+and dev pooled, ``--cost_splits``), and merge the longest prefix whose
+cost, fitted non-decreasing, stays within ``--max_drop`` points, stopping
+early at the first prefix whose dev leakage (a class-balanced logistic
+regression fit on train) reaches the attribute's dev floor
+(:func:`moddiffy_jax.methods.token_merge.choose_count`). The merge diffs
+are written to ``<run>/token_merge/<attribute>.safetensors`` (ordinary
+sparse diff files on the core). Then the core, core + each merge diff and
+core + all of them are probed as ``benchmarks/sk_probes.py`` does
 (scikit-learn linear / MLP probes fit on train, test balanced accuracy, gap
 closed toward the floor), with ``--test_examples`` as there.
 
@@ -44,11 +48,38 @@ def _with_table(params, table):
     return selection.unflatten(flat)
 
 
+def _accuracy(evaluator, params, head, splits) -> float:
+    """Task accuracy over several splits pooled (example-weighted)."""
+    hits = n = 0
+    for s in splits:
+        data = evaluator.ctx.data.splits[s]
+        pred = evaluator.predict(params, head, data)
+        hits += int(np.sum(pred == np.asarray(data.task)))
+        n += len(pred)
+    return hits / n
+
+
+def _dev_probe(rep, params, ctx, attr) -> float:
+    """Dev balanced accuracy of a class-balanced logistic regression on the
+    standardized representations, fit on train."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import balanced_accuracy_score
+    from sklearn.preprocessing import StandardScaler
+
+    h_train, h_dev = rep.represent(params, "train"), rep.represent(params, "dev")
+    y_train = np.asarray(ctx.data.splits["train"].attrs[attr])
+    y_dev = np.asarray(ctx.data.splits["dev"].attrs[attr])
+    scaler = StandardScaler().fit(h_train)
+    model = LogisticRegression(class_weight="balanced", max_iter=3000)
+    model.fit(scaler.transform(h_train), y_train)
+    return float(balanced_accuracy_score(y_dev, model.predict(scaler.transform(h_dev))))
+
+
 def merge_run(run: Path, args) -> dict:
     import jax.numpy as jnp
 
     from moddiffy_jax import train
-    from moddiffy_jax.eval import composition
+    from moddiffy_jax.eval import composition, removal
     from moddiffy_jax.methods import token_merge, word_rows
     from moddiffy_jax.models import text as text_lib
     from moddiffy_jax.subnets import diff_files, selection
@@ -65,7 +96,8 @@ def merge_run(run: Path, args) -> dict:
     rep = composition.Representer(ctx, 128)
     core = art.core
     table = np.asarray(selection.flatten(core)[word_rows.WORD_TABLE])
-    dev_core = evaluator.task_accuracy(core, art.head, "dev")
+    cost_splits = args.cost_splits.split(",")
+    core_acc = _accuracy(evaluator, core, art.head, cost_splits)
     tokenizer = text_lib.load_tokenizer_for(config.model)
     out_dir = run / "token_merge"
     out_dir.mkdir(exist_ok=True)
@@ -80,16 +112,32 @@ def merge_run(run: Path, args) -> dict:
         )[attr]
         target = token_merge.merge_target(core, ranked)
 
-        def drop(ids, target=target):
+        def merged(ids, target=target):
             t = table.copy()
             t[ids] = target
-            acc = evaluator.task_accuracy(
-                _with_table(core, jnp.asarray(t)), art.head, "dev"
-            )
-            return 100.0 * (dev_core - acc)
+            return _with_table(core, jnp.asarray(t))
 
-        counts = [c for c in COUNTS if c <= len(ranked)]
-        k, read = token_merge.choose_count(ranked, drop, args.max_drop, counts)
+        def drop(ids):
+            return 100.0 * (
+                core_acc - _accuracy(evaluator, merged(ids), art.head, cost_splits)
+            )
+
+        def leak(ids, attr=attr):
+            p = merged(ids)
+            return _dev_probe(rep, p, ctx, attr)
+
+        train, dev = ctx.data.splits["train"], ctx.data.splits["dev"]
+        floor = removal.leakage_floor(
+            np.asarray(train.task),
+            np.asarray(train.attrs[attr]),
+            np.asarray(dev.task),
+            np.asarray(dev.attrs[attr]),
+            num_task_classes=int(np.max(train.task)) + 1,
+            num_attr_classes=int(np.max(train.attrs[attr])) + 1,
+        )
+        counts = [c for c in COUNTS if c < len(ranked)] + [len(ranked)]
+        probe = {} if args.no_floor_stop else {"leakage": leak, "floor": floor}
+        k, read = token_merge.choose_count(ranked, drop, args.max_drop, counts, **probe)
         tokens = word_rows.describe({attr: ranked[:k]}, tokenizer)[attr] if k else []
         print(
             f"{attr}: {len(ranked)} candidates; dev cost by prefix {read}; merged {k}: {tokens}",
@@ -142,6 +190,17 @@ def main() -> None:
     parser.add_argument("--candidates", type=int, default=64)
     parser.add_argument("--share", type=float, default=0.1)
     parser.add_argument("--test_examples", type=int, default=0)
+    parser.add_argument(
+        "--cost_splits",
+        default="train,dev",
+        help="splits the task cost of a merge is read on, pooled (dev alone: "
+        "500 examples on the main job, about 0.6 points of noise per read)",
+    )
+    parser.add_argument(
+        "--no_floor_stop",
+        action="store_true",
+        help="merge the longest prefix within budget, without the dev probe",
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     for r in args.run:

@@ -92,7 +92,16 @@ def test_params_without_a_word_table_are_refused():
         token_merge.merge_target({"dense": {"kernel": np.zeros((2, 2))}}, [0])
 
 
-def test_choose_count_keeps_the_longest_prefix_within_budget():
+def test_monotone_fit_pools_violators():
+    np.testing.assert_allclose(
+        token_merge.monotone_fit([0.0, 1.2, 1.6, 2.0, 2.0, 1.7]),
+        [0.0, 1.2, 1.6, 1.9, 1.9, 1.9],
+    )
+    np.testing.assert_allclose(token_merge.monotone_fit([3.0, 1.0]), [2.0, 2.0])
+    np.testing.assert_allclose(token_merge.monotone_fit([1.0, 2.0]), [1.0, 2.0])
+
+
+def test_choose_count_reads_the_fitted_costs_not_a_lucky_one():
     ranked = [10, 11, 12, 13, 14, 15]
     costs = {1: 0.0, 2: 0.6, 3: 0.8, 4: 1.4, 5: 0.2, 6: 3.0}  # noisy, not monotone
     seen = []
@@ -102,9 +111,17 @@ def test_choose_count_keeps_the_longest_prefix_within_budget():
         return costs[len(ids)]
 
     k, read = token_merge.choose_count(ranked, drop, max_drop=1.0)
-    assert k == 5  # 4 is over budget, 5 is within it again
-    assert read == [(n, costs[n]) for n in range(1, 7)]
+    # Sizes 4 and 5 pool to 0.8: both within budget; 6 is not.
+    assert k == 5
+    assert [r["cost"] for r in read] == [costs[n] for n in range(1, 7)]
+    np.testing.assert_allclose(
+        [r["fitted"] for r in read], [0, 0.6, 0.8, 0.8, 0.8, 3.0]
+    )
     assert seen[1] == [10, 11]  # prefixes of the ranking
+    # A lucky low read after an expensive one does not pass by itself.
+    costs = {1: 0.0, 2: 2.0, 3: 2.0, 4: 0.5, 5: 3.0, 6: 3.0}
+    k, _ = token_merge.choose_count(ranked, lambda ids: costs[len(ids)], 1.0)
+    assert k == 1
     # Costs summed in floating point land just above a budget they meet.
     k, _ = token_merge.choose_count(
         ranked, lambda ids: 0.1 * 3 if len(ids) < 3 else 9.0, 0.3
@@ -116,3 +133,28 @@ def test_choose_count_keeps_the_longest_prefix_within_budget():
         token_merge.choose_count(ranked, drop, 1.0, counts=[2, 2])
     with pytest.raises(ValueError, match="lie in"):
         token_merge.choose_count(ranked, drop, 1.0, counts=[1, 7])
+
+
+def test_choose_count_stops_once_the_floor_is_reached():
+    ranked = [10, 11, 12, 13, 14, 15]
+    costs = {1: 0.0, 2: 0.2, 3: 0.4, 4: 0.6, 5: 0.8, 6: 0.9}
+    leaks = {1: 0.97, 2: 0.93, 3: 0.90, 4: 0.89, 5: 0.80, 6: 0.70}
+    probed = []
+
+    def leak(ids):
+        probed.append(len(ids))
+        return leaks[len(ids)]
+
+    def drop(ids):
+        return costs[len(ids)]
+
+    k, read = token_merge.choose_count(ranked, drop, 1.0, leakage=leak, floor=0.895)
+    assert k == 4  # the first size at the floor
+    assert probed == [1, 2, 3, 4]
+    assert read[3] == {"size": 4, "cost": 0.6, "fitted": 0.6, "leakage": 0.89}
+    assert "leakage" not in read[4]
+    # Never at the floor within budget: the longest prefix within budget.
+    k, _ = token_merge.choose_count(ranked, drop, 0.7, leakage=leak, floor=0.5)
+    assert k == 4
+    with pytest.raises(ValueError, match="together"):
+        token_merge.choose_count(ranked, drop, 1.0, leakage=leak)
