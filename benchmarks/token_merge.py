@@ -136,16 +136,22 @@ def merge_run(run: Path, args) -> dict:
             num_attr_classes=int(np.max(train.attrs[attr])) + 1,
         )
         counts = [c for c in COUNTS if c < len(ranked)] + [len(ranked)]
-        probe = {} if args.no_floor_stop else {"leakage": leak, "floor": floor}
+        tolerance = token_merge.balanced_accuracy_se(floor, dev.attrs[attr])
+        probe = {"leakage": leak, "floor": floor, "tolerance": tolerance}
+        probe = {} if args.no_floor_stop else probe
         k, read = token_merge.choose_count(ranked, drop, args.max_drop, counts, **probe)
         tokens = word_rows.describe({attr: ranked[:k]}, tokenizer)[attr] if k else []
         print(
-            f"{attr}: {len(ranked)} candidates; dev cost by prefix {read}; merged {k}: {tokens}",
-            flush=True,
+            f"{attr}: {len(ranked)} candidates; dev floor {floor:.3f} "
+            f"(+ {tolerance:.3f}); merged {k}: {tokens}"
         )
+        for rec in read:
+            print("   ", {key: round(v, 3) for key, v in rec.items()}, flush=True)
         summary[attr] = {
             "candidates": len(ranked),
-            "dev_cost": read,
+            "dev_floor": floor,
+            "tolerance": tolerance,
+            "read": read,
             "merged": k,
             "tokens": tokens,
         }

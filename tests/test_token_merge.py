@@ -158,3 +158,23 @@ def test_choose_count_stops_once_the_floor_is_reached():
     assert k == 4
     with pytest.raises(ValueError, match="together"):
         token_merge.choose_count(ranked, drop, 1.0, leakage=leak)
+
+
+def test_the_floor_stop_allows_the_probes_noise():
+    ranked = [10, 11, 12]
+    leaks = {1: 0.95, 2: 0.755, 3: 0.72}
+    k, _ = token_merge.choose_count(
+        ranked, lambda ids: 0.0, 1.0, leakage=lambda ids: leaks[len(ids)], floor=0.74
+    )
+    assert k == 3
+    se = token_merge.balanced_accuracy_se(0.74, [0] * 250 + [1] * 250)
+    assert se == pytest.approx(np.sqrt(2 * 0.74 * 0.26 / 250) / 2)
+    k, _ = token_merge.choose_count(
+        ranked,
+        lambda ids: 0.0,
+        1.0,
+        leakage=lambda ids: leaks[len(ids)],
+        floor=0.74,
+        tolerance=se,
+    )
+    assert k == 2  # 0.755 is within one standard error (0.0196) of 0.74

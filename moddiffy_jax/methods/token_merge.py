@@ -129,6 +129,18 @@ def monotone_fit(values: Sequence[float]) -> np.ndarray:
     return np.concatenate([np.full(int(n), total / n) for total, n in blocks])
 
 
+def balanced_accuracy_se(accuracy: float, labels: Sequence[int]) -> float:
+    """Standard error of a balanced accuracy of about ``accuracy`` read on
+    examples with these class ``labels`` (each class's recall binomial, at
+    that accuracy): ``sqrt(sum_c a (1 - a) / n_c) / C``."""
+    counts = np.bincount(np.asarray(labels, np.int64))
+    counts = counts[counts > 0]
+    if counts.size == 0:
+        raise ValueError("No labels to read a balanced accuracy on.")
+    a = float(accuracy)
+    return float(np.sqrt(np.sum(a * (1.0 - a) / counts)) / counts.size)
+
+
 def choose_count(
     ranked: Sequence[int],
     task_drop: Callable[[np.ndarray], float],
@@ -137,6 +149,7 @@ def choose_count(
     *,
     leakage: Callable[[np.ndarray], float] | None = None,
     floor: float | None = None,
+    tolerance: float = 0.0,
 ) -> tuple[int, list[dict]]:
     """How long a prefix of ``ranked`` to merge within a task budget.
 
@@ -154,9 +167,12 @@ def choose_count(
     With ``leakage`` (the attribute's leakage after merging ``ids``, read by
     a probe on a held-out split) and ``floor`` (what the task label alone
     gives there), the scan stops at the first size within budget whose
-    leakage is at or below the floor: merging past it removes no more than
-    the task label implies and only costs the task (main job, seed 0: all 8
-    age tokens took age 0.4 past its gap for 2.1 points).
+    leakage is at or below ``floor + tolerance``: merging past it removes no
+    more than the task label implies and only costs the task (main job,
+    seed 0: all 8 age tokens took age 0.4 past its gap for 2.1 points).
+    ``tolerance`` is the probe's own noise at the floor
+    (:func:`balanced_accuracy_se`): a leakage within it cannot be told from
+    the floor on that split.
 
     Returns the chosen size (0 when none is within budget) and one record
     per size read: ``{"size", "cost", "fitted"}`` plus ``"leakage"`` where
@@ -184,6 +200,6 @@ def choose_count(
         chosen = rec["size"]
         if leakage is not None:
             rec["leakage"] = float(leakage(ranked[:chosen]))
-            if rec["leakage"] <= floor:
+            if rec["leakage"] <= floor + tolerance:
                 break
     return chosen, read
