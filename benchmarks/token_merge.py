@@ -1,14 +1,15 @@
-r"""Token-merge diffs on a finished run's core, scored beside its trained diffs.
+r"""Token-merge diffs on a finished run's core: built, written and probed.
 
 For a finished run (``--run``), per attribute: rank the tokens by
 ``I(token present; attribute | task label)`` on the training split
 (:mod:`moddiffy_jax.methods.word_rows`, at most ``--candidates`` tokens,
 each at least ``--share`` of the best), read the task cost of merging each
 prefix of that ranking (the run's own head; accuracy points lost on train
-and dev pooled, ``--cost_splits``), and merge the longest prefix whose
+(at most ``--select_train``) and dev pooled), and merge the longest prefix whose
 cost, fitted non-decreasing, stays within ``--max_drop`` points, stopping
 early at the first prefix whose dev leakage (a class-balanced logistic
-regression fit on train) reaches the attribute's dev floor
+regression fit on train) comes within its standard error of the
+attribute's dev floor
 (:func:`moddiffy_jax.methods.token_merge.choose_count`). The merge diffs
 are written to ``<run>/token_merge/<attribute>.safetensors`` (ordinary
 sparse diff files on the core). Then the core, core + each merge diff and
@@ -24,6 +25,7 @@ Needs scikit-learn (not a dependency of the library).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import warnings
@@ -48,31 +50,21 @@ def _with_table(params, table):
     return selection.unflatten(flat)
 
 
-def _accuracy(evaluator, params, head, splits) -> float:
-    """Task accuracy over several splits pooled (example-weighted)."""
-    hits = n = 0
-    for s in splits:
-        data = evaluator.ctx.data.splits[s]
-        pred = evaluator.predict(params, head, data)
-        hits += int(np.sum(pred == np.asarray(data.task)))
-        n += len(pred)
-    return hits / n
-
-
-def _dev_probe(rep, params, ctx, attr) -> float:
+def _probe(h_train, y_train, h_dev, y_dev) -> float:
     """Dev balanced accuracy of a class-balanced logistic regression on the
     standardized representations, fit on train."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.metrics import balanced_accuracy_score
     from sklearn.preprocessing import StandardScaler
 
-    h_train, h_dev = rep.represent(params, "train"), rep.represent(params, "dev")
-    y_train = np.asarray(ctx.data.splits["train"].attrs[attr])
-    y_dev = np.asarray(ctx.data.splits["dev"].attrs[attr])
     scaler = StandardScaler().fit(h_train)
     model = LogisticRegression(class_weight="balanced", max_iter=3000)
-    model.fit(scaler.transform(h_train), y_train)
-    return float(balanced_accuracy_score(y_dev, model.predict(scaler.transform(h_dev))))
+    model.fit(scaler.transform(h_train), np.asarray(y_train))
+    return float(
+        balanced_accuracy_score(
+            np.asarray(y_dev), model.predict(scaler.transform(h_dev))
+        )
+    )
 
 
 def merge_run(run: Path, args) -> dict:
@@ -96,44 +88,67 @@ def merge_run(run: Path, args) -> dict:
     rep = composition.Representer(ctx, 128)
     core = art.core
     table = np.asarray(selection.flatten(core)[word_rows.WORD_TABLE])
-    cost_splits = args.cost_splits.split(",")
-    core_acc = _accuracy(evaluator, core, art.head, cost_splits)
+    train_split, dev = ctx.data.splits["train"], ctx.data.splits["dev"]
+    # The selection reads at most --select_train training examples (the
+    # first ones; the main job's 2,000 are all read), and the dev split.
+    n = min(args.select_train, len(train_split.task))
+    select = dataclasses.replace(
+        train_split,
+        input_ids=train_split.input_ids[:n],
+        attention_mask=train_split.attention_mask[:n],
+        token_type_ids=train_split.token_type_ids[:n],
+        task=train_split.task[:n],
+        attrs={k: v[:n] for k, v in train_split.attrs.items()},
+        extras={k: v[:n] for k, v in train_split.extras.items()},
+    )
+    pooled_task = np.concatenate([np.asarray(select.task), np.asarray(dev.task)])
+
+    def measure(params):
+        """One forward over the selection examples: (task accuracy pooled
+        over them, train representations, dev representations)."""
+        h_tr, h_dev = (
+            rep.represent_split(params, select),
+            rep.represent_split(params, dev),
+        )
+        pred = np.concatenate(
+            [rep.predict(art.head, h_tr), rep.predict(art.head, h_dev)]
+        )
+        return float(np.mean(pred == pooled_task)), h_tr, h_dev
+
+    core_acc = measure(core)[0]
     tokenizer = text_lib.load_tokenizer_for(config.model)
     out_dir = run / "token_merge"
     out_dir.mkdir(exist_ok=True)
     summary, diffs = {}, {}
     for attr in ctx.attributes:
         ranked = word_rows.attribute_tokens(
-            ctx.data.splits["train"],
-            [attr],
-            args.candidates,
-            args.share,
-            table.shape[0],
+            train_split, [attr], args.candidates, args.share, table.shape[0]
         )[attr]
         target = token_merge.merge_target(core, ranked)
+        cache = {}
 
-        def merged(ids, target=target):
-            t = table.copy()
-            t[ids] = target
-            return _with_table(core, jnp.asarray(t))
+        def reading(ids, target=target, cache=cache, attr=attr):
+            if len(ids) not in cache:
+                t = table.copy()
+                t[ids] = target
+                acc, h_tr, h_dev = measure(_with_table(core, jnp.asarray(t)))
+                leak = _probe(h_tr, select.attrs[attr], h_dev, dev.attrs[attr])
+                cache[len(ids)] = (100.0 * (core_acc - acc), leak)
+            return cache[len(ids)]
 
-        def drop(ids):
-            return 100.0 * (
-                core_acc - _accuracy(evaluator, merged(ids), art.head, cost_splits)
-            )
+        def drop(ids, reading=reading):
+            return reading(ids)[0]
 
-        def leak(ids, attr=attr):
-            p = merged(ids)
-            return _dev_probe(rep, p, ctx, attr)
+        def leak(ids, reading=reading):
+            return reading(ids)[1]
 
-        train, dev = ctx.data.splits["train"], ctx.data.splits["dev"]
         floor = removal.leakage_floor(
-            np.asarray(train.task),
-            np.asarray(train.attrs[attr]),
+            np.asarray(select.task),
+            np.asarray(select.attrs[attr]),
             np.asarray(dev.task),
             np.asarray(dev.attrs[attr]),
-            num_task_classes=int(np.max(train.task)) + 1,
-            num_attr_classes=int(np.max(train.attrs[attr])) + 1,
+            num_task_classes=int(np.max(select.task)) + 1,
+            num_attr_classes=int(np.max(select.attrs[attr])) + 1,
         )
         counts = [c for c in COUNTS if c < len(ranked)] + [len(ranked)]
         tolerance = token_merge.balanced_accuracy_se(floor, dev.attrs[attr])
@@ -197,10 +212,11 @@ def main() -> None:
     parser.add_argument("--share", type=float, default=0.1)
     parser.add_argument("--test_examples", type=int, default=0)
     parser.add_argument(
-        "--cost_splits",
-        default="train,dev",
-        help="splits the task cost of a merge is read on, pooled (dev alone: "
-        "500 examples on the main job, about 0.6 points of noise per read)",
+        "--select_train",
+        type=int,
+        default=2000,
+        help="training examples the selection reads (task cost pooled with dev, "
+        "and the dev probe's fit)",
     )
     parser.add_argument(
         "--no_floor_stop",
