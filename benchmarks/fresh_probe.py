@@ -80,18 +80,24 @@ def export_run(run: Path, test_examples: int = 0) -> Path:
     for subset in subsets:
         w = [1.0 if n in subset else 0.0 for n in names]
         params = evaluator.compose(art.core, [art.diffs[n] for n in names], w)
-        arrays = {}
-        for s in SPLITS:
-            split = ctx.data.splits[s]
-            h = rep.represent(params, s)
-            arrays[f"{s}_h"] = h
-            arrays[f"{s}_task"] = np.asarray(split.task)
-            arrays[f"{s}_task_pred"] = rep.predict(art.head, h)
-            for a in ctx.attributes:
-                arrays[f"{s}_{a}"] = np.asarray(split.attrs[a])
         label = "core" + "".join(f"+{n}" for n in subset)
-        np.savez(out / f"{label}.npz", **arrays)
+        np.savez(out / f"{label}.npz", **split_arrays(ctx, rep, params, art.head))
     return out
+
+
+def split_arrays(ctx, rep, params, head, splits=SPLITS) -> dict:
+    """Per split: CLS vectors (``<split>_h``), task labels and the head's
+    predictions, and each attribute's labels, for one configuration."""
+    arrays = {}
+    for s in splits:
+        split = ctx.data.splits[s]
+        h = rep.represent(params, s)
+        arrays[f"{s}_h"] = h
+        arrays[f"{s}_task"] = np.asarray(split.task)
+        arrays[f"{s}_task_pred"] = rep.predict(head, h)
+        for a in ctx.attributes:
+            arrays[f"{s}_{a}"] = np.asarray(split.attrs[a])
+    return arrays
 
 
 def probe_dir(directory: Path, seeds: tuple[int, ...]) -> dict:

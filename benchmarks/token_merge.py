@@ -35,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import fresh_probe  # noqa: E402
 import sk_probes  # noqa: E402
 
 SPLITS = ("train", "test")
@@ -186,15 +187,7 @@ def merge_run(run: Path, args) -> dict:
     subsets = [()] + [(n,) for n in names] + ([tuple(names)] if len(names) > 1 else [])
     for subset in subsets:
         params = evaluator.compose(core, [diffs[n] for n in subset]) if subset else core
-        arrays = {}
-        for s in SPLITS:
-            split = ctx.data.splits[s]
-            h = rep.represent(params, s)
-            arrays[f"{s}_h"] = h
-            arrays[f"{s}_task"] = np.asarray(split.task)
-            arrays[f"{s}_task_pred"] = rep.predict(art.head, h)
-            for a in ctx.attributes:
-                arrays[f"{s}_{a}"] = np.asarray(split.attrs[a])
+        arrays = fresh_probe.split_arrays(ctx, rep, params, art.head, SPLITS)
         np.savez(
             reps / ("core" + "".join(f"+merge_{n}" for n in subset) + ".npz"), **arrays
         )
