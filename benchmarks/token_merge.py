@@ -17,7 +17,7 @@ core + all of them are probed as ``benchmarks/sk_probes.py`` does
 (scikit-learn linear / MLP probes fit on train, test balanced accuracy, gap
 closed toward the floor), with ``--test_examples`` as there.
 
-    python benchmarks/token_merge.py --run runs/moddiffy_par --max_drop 1.0
+    python benchmarks/token_merge.py --run runs/moddiffy_par --max_drop 1.5
 
 Needs scikit-learn (not a dependency of the library).
 """
@@ -25,7 +25,6 @@ Needs scikit-learn (not a dependency of the library).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import warnings
@@ -71,6 +70,7 @@ def _probe(h_train, y_train, h_dev, y_dev) -> float:
 def merge_run(run: Path, args) -> dict:
     import jax.numpy as jnp
 
+    from moddiffy_jax import data as data_lib
     from moddiffy_jax import train
     from moddiffy_jax.eval import composition, removal
     from moddiffy_jax.methods import token_merge, word_rows
@@ -93,15 +93,7 @@ def merge_run(run: Path, args) -> dict:
     # The selection reads at most --select_train training examples (the
     # first ones; the main job's 2,000 are all read), and the dev split.
     n = min(args.select_train, len(train_split.task))
-    select = dataclasses.replace(
-        train_split,
-        input_ids=train_split.input_ids[:n],
-        attention_mask=train_split.attention_mask[:n],
-        token_type_ids=train_split.token_type_ids[:n],
-        task=train_split.task[:n],
-        attrs={k: v[:n] for k, v in train_split.attrs.items()},
-        extras={k: v[:n] for k, v in train_split.extras.items()},
-    )
+    select = data_lib.subset_split(train_split, np.arange(n))
     pooled_task = np.concatenate([np.asarray(select.task), np.asarray(dev.task)])
 
     def measure(params):
@@ -200,7 +192,12 @@ def merge_run(run: Path, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", action="append", required=True)
-    parser.add_argument("--max_drop", type=float, default=1.0, help="dev task points")
+    parser.add_argument(
+        "--max_drop",
+        type=float,
+        default=1.5,
+        help="task points a merge may cost, read on train and dev pooled",
+    )
     parser.add_argument("--candidates", type=int, default=64)
     parser.add_argument("--share", type=float, default=0.1)
     parser.add_argument("--test_examples", type=int, default=0)

@@ -25,6 +25,7 @@ import numpy as np
 from absl import logging
 
 from moddiffy_jax import checkpoints
+from moddiffy_jax.data.dataset import subset_split
 from moddiffy_jax.methods.ffw import (
     GateTrainState,
     TemperatureState,
@@ -239,18 +240,6 @@ def run_ffw(
     return results
 
 
-def _subset_split(split: Any, indices: np.ndarray) -> Any:
-    """The rows ``indices`` of a TokenizedSplit or ImageSplit (arrays and dicts)."""
-    changes = {}
-    for field in dataclasses.fields(split):
-        value = getattr(split, field.name)
-        if isinstance(value, np.ndarray):
-            changes[field.name] = value[indices]
-        elif isinstance(value, dict):
-            changes[field.name] = {k: v[indices] for k, v in value.items()}
-    return dataclasses.replace(split, **changes)
-
-
 def _limit_gate_train(ctx: Any, config: ml_collections.ConfigDict) -> Any:
     """``ctx`` with the gate-train split cut to ``ffw.max_gate_train_examples``."""
     limit = int(config.ffw.max_gate_train_examples)
@@ -259,7 +248,7 @@ def _limit_gate_train(ctx: Any, config: ml_collections.ConfigDict) -> Any:
     if limit <= 0 or split is None or len(split) <= limit:
         return ctx
     order = np.random.default_rng(config.seed).permutation(len(split))[:limit]
-    splits = {**ctx.data.splits, name: _subset_split(split, np.sort(order))}
+    splits = {**ctx.data.splits, name: subset_split(split, np.sort(order))}
     return dataclasses.replace(ctx, data=dataclasses.replace(ctx.data, splits=splits))
 
 

@@ -23,6 +23,7 @@ from moddiffy_jax.data.dataset import (
     TokenizedSplit,
     encode_splits,
     read_label_file,
+    subset_split,
     summarize_dataset,
 )
 from moddiffy_jax.data.pipeline import (
@@ -63,6 +64,7 @@ __all__ = [
     "padded_length",
     "read_label_file",
     "read_table",
+    "subset_split",
     "summarize_dataset",
     "tokenize_dataset",
     "tokenize_split",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -512,3 +512,17 @@ def read_label_file(path: str) -> tuple[str, ...]:
             f"Label file {path!r} lists {len(labels)} label(s); need >= 2."
         )
     return labels
+
+
+def subset_split(split: Any, indices: np.ndarray) -> Any:
+    """The rows ``indices`` of a TokenizedSplit or ImageSplit: every array
+    field and every dict of arrays (attributes, extras) indexed alike."""
+    indices = np.asarray(indices, dtype=np.int64)
+    changes = {}
+    for field in dataclasses.fields(split):
+        value = getattr(split, field.name)
+        if isinstance(value, np.ndarray):
+            changes[field.name] = value[indices]
+        elif isinstance(value, dict):
+            changes[field.name] = {k: v[indices] for k, v in value.items()}
+    return dataclasses.replace(split, **changes)
