@@ -1,0 +1,193 @@
+r"""Accelerator speed of the MoDDiffy-par step and of diff composition.
+
+Measures, on whatever device JAX sees first (meant for one GPU):
+
+* the device's bf16 matmul ceiling (an 8192^3 product, median of ``--repeats``),
+  the denominator of the measured-peak MFU;
+* for each ``--dtypes`` entry, the MoDDiffy-par train step (task step plus one
+  adversarial diff step per attribute, one compiled program) and a plain
+  fine-tuning step on BERT-base shapes (random weights, synthetic batches of
+  ``--batch`` x ``--length`` tokens): compile time, median step time,
+  examples/s, the model FLOPs of the step and MFU against the datasheet peak
+  and against the measured ceiling; the step's ratio to three fine-tuning
+  steps (its floor: three forward-backward passes);
+* composing core + one and two 1%-dense diffs (``apply_diffs``, jitted) on
+  BERT-base parameters.
+
+    MODDIFFY_MODEL_DIR=<dir with MiniLM's tokenizer files> \
+        python benchmarks/gpu.py --out results_gpu.jsonl
+
+Model FLOPs per forward-backward pass count the encoder's matmuls only
+(embeddings are lookups): ``6 * N_matmul * tokens + 12 * layers * hidden *
+length * tokens`` (attention scores and values, forward and backward); the
+MoDDiffy-par step does three such passes (its optimizer and gate work is not
+counted: MFU here is model FLOPs, as is usual). Every row is appended to ``--out`` as a JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_steps  # noqa: E402
+
+# Dense bf16 tensor-core peak from NVIDIA's datasheets (TFLOP/s, no sparsity).
+DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def datasheet_peak(device_kind: str) -> float | None:
+    for name, tflops in DATASHEET_BF16_TFLOPS.items():
+        if name in device_kind:
+            return tflops
+    return None
+
+
+def median_time(fn, repeats: int) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def matmul_ceiling(n: int = 8192, repeats: int = 10) -> float:
+    """Measured bf16 matmul rate (TFLOP/s) of an n^3 product."""
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    a = jax.random.normal(k1, (n, n), jnp.bfloat16)
+    b = jax.random.normal(k2, (n, n), jnp.bfloat16)
+    mm = jax.jit(jnp.matmul)
+    return 2 * n**3 / median_time(lambda: mm(a, b), repeats) / 1e12
+
+
+def model_flops_per_pass(cfg: dict, batch: int, length: int) -> float:
+    """Matmul FLOPs of one forward-backward pass of a BERT encoder."""
+    h, f, n_layers = (
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["num_hidden_layers"],
+    )
+    per_layer = 4 * h * h + 2 * h * f  # q, k, v, out; two feed-forward dots
+    n_matmul = n_layers * per_layer + h * h  # + pooler
+    tokens = batch * length
+    return 6.0 * n_matmul * tokens + 12.0 * n_layers * h * length * tokens
+
+
+def step_row(method, batch, length, steps, dtype, peak, ceiling) -> dict:
+    row = bench_steps.run_one(
+        method, "bert-base", batch, length, steps, dtype, "adversarial"
+    )
+    with open(os.path.join(bench_steps._bert_base_dir(), "config.json")) as f:
+        cfg = json.load(f)
+    passes = len(row["substeps"])
+    flops = passes * model_flops_per_pass(cfg, batch, length)
+    achieved = flops / row["step_s_median"] / 1e12
+    row |= {
+        "model_tflop_per_step": round(flops / 1e12, 3),
+        "achieved_tflops": round(achieved, 1),
+        "mfu_datasheet": round(achieved / peak, 3) if peak else None,
+        "mfu_measured_ceiling": round(achieved / ceiling, 3),
+    }
+    return row
+
+
+def compose_rows(keep: float, repeats: int) -> list[dict]:
+    """Time core + 1 and + 2 diffs of ``keep`` density on BERT-base params."""
+    from moddiffy_jax.models import bert_model
+    from moddiffy_jax.subnets import diffs as diffs_lib
+
+    with open(os.path.join(bench_steps._bert_base_dir(), "config.json")) as f:
+        fields = json.load(f)
+    config = bert_model.BertConfig(**fields)
+    params = bert_model.init_params(config, jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    diffs = []
+    for _ in range(2):
+        dense = jax.tree.map(
+            lambda x: rng.normal(scale=1e-2, size=x.shape).astype(np.float32),
+            params,
+        )
+        diffs.append(diffs_lib.prune_to_sparsity(dense, keep=keep))
+    compose = jax.jit(diffs_lib.apply_diffs)
+    n = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+    rows = []
+    for k in (1, 2):
+        t = median_time(lambda k=k: compose(params, diffs[:k]), repeats)
+        rows.append(
+            {
+                "what": f"compose core + {k} diff(s)",
+                "params": n,
+                "keep": keep,
+                "nnz_per_diff": diffs[0].nnz(),
+                "ms_median": round(1e3 * t, 3),
+            }
+        )
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--length", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--methods", default="moddiffy_par,finetune")
+    parser.add_argument("--keep", type=float, default=0.01)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--matmul_n", type=int, default=8192)
+    parser.add_argument("--no_compose", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results_gpu.jsonl")
+    args = parser.parse_args()
+
+    stamp, machine = bench_steps.stamp_and_machine()
+    kind = jax.devices()[0].device_kind
+    peak = datasheet_peak(kind)
+    ceiling = matmul_ceiling(args.matmul_n)
+    head = {
+        "what": "device",
+        "device": kind,
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "bf16_matmul_tflops_measured": round(ceiling, 1),
+        "bf16_tflops_datasheet": peak,
+    }
+    print(json.dumps(head), flush=True)
+    bench_steps.append_jsonl(args.out, head | {"date": stamp, "machine": machine})
+    for row in [] if args.no_compose else compose_rows(args.keep, args.repeats):
+        print(json.dumps(row), flush=True)
+        bench_steps.append_jsonl(args.out, row | {"date": stamp, "machine": machine})
+    for dtype in args.dtypes.split(","):
+        by_method = {}
+        for method in args.methods.split(","):
+            print(f"{time.strftime('%H:%M:%S')} {method} {dtype}: building", flush=True)
+            try:
+                row = step_row(
+                    method, args.batch, args.length, args.steps, dtype, peak, ceiling
+                )
+            except Exception as e:  # report and go on to the next configuration
+                print(f"{method} {dtype} failed: {e!r}", flush=True)
+                continue
+            by_method[method] = row
+            print(json.dumps(row), flush=True)
+            bench_steps.append_jsonl(
+                args.out, row | {"date": stamp, "machine": machine}
+            )
+        if {"moddiffy_par", "finetune"} <= by_method.keys():
+            ratio = by_method["moddiffy_par"]["step_s_median"] / (
+                3 * by_method["finetune"]["step_s_median"]
+            )
+            print(f"{dtype}: MoDDiffy-par step / (3 x finetune) = {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
