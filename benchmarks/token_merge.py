@@ -38,25 +38,17 @@ import fresh_probe  # noqa: E402
 import sk_probes  # noqa: E402
 
 SPLITS = ("train", "test")
-COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
-def _with_table(params, table):
-    from moddiffy_jax.methods.word_rows import WORD_TABLE
-    from moddiffy_jax.subnets import selection
-
-    flat = dict(selection.flatten(params))
-    flat[WORD_TABLE] = table
-    return selection.unflatten(flat)
-
-
-def _probe(h_train, y_train, h_dev, y_dev) -> float:
+def _probe(h_train, y_train, h_dev, y_dev, num_classes) -> float:
     """Dev balanced accuracy of a class-balanced logistic regression on the
-    standardized representations, fit on train."""
+    standardized representations, fit on train (scikit-learn's, as the
+    stop-28 numbers in docs/efficacy.md were selected with)."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.metrics import balanced_accuracy_score
     from sklearn.preprocessing import StandardScaler
 
+    del num_classes  # read from the labels
     scaler = StandardScaler().fit(h_train)
     model = LogisticRegression(class_weight="balanced", max_iter=3000)
     model.fit(scaler.transform(h_train), np.asarray(y_train))
@@ -68,14 +60,11 @@ def _probe(h_train, y_train, h_dev, y_dev) -> float:
 
 
 def merge_run(run: Path, args) -> dict:
-    import jax.numpy as jnp
-
-    from moddiffy_jax import data as data_lib
     from moddiffy_jax import train
-    from moddiffy_jax.eval import composition, removal
-    from moddiffy_jax.methods import token_merge, word_rows
+    from moddiffy_jax.eval import composition
+    from moddiffy_jax.methods import token_merge
     from moddiffy_jax.models import text as text_lib
-    from moddiffy_jax.subnets import diff_files, selection
+    from moddiffy_jax.subnets import diff_files
 
     config = composition.load_run_config(run)
     if args.test_examples:
@@ -88,89 +77,38 @@ def merge_run(run: Path, args) -> dict:
     evaluator = train.Evaluator(ctx)
     rep = composition.Representer(ctx, 128)
     core = art.core
-    table = np.asarray(selection.flatten(core)[word_rows.WORD_TABLE])
-    train_split, dev = ctx.data.splits["train"], ctx.data.splits["dev"]
-    # The selection reads at most --select_train training examples (the
-    # first ones; the main job's 2,000 are all read), and the dev split.
-    n = min(args.select_train, len(train_split.task))
-    select = data_lib.subset_split(train_split, np.arange(n))
-    pooled_task = np.concatenate([np.asarray(select.task), np.asarray(dev.task)])
-
-    def measure(params):
-        """One forward over the selection examples: (task accuracy pooled
-        over them, train representations, dev representations)."""
-        h_tr, h_dev = (
-            rep.represent_split(params, select),
-            rep.represent_split(params, dev),
-        )
-        pred = np.concatenate(
-            [rep.predict(art.head, h_tr), rep.predict(art.head, h_dev)]
-        )
-        return float(np.mean(pred == pooled_task)), h_tr, h_dev
-
-    core_acc = measure(core)[0]
+    choices = token_merge.build_merges(
+        core,
+        ctx.data.splits["train"],
+        ctx.data.splits["dev"],
+        {a: len(ctx.data.attr_classes[a]) for a in ctx.attributes},
+        rep.represent_split,
+        lambda h: rep.predict(art.head, h),
+        max_drop=args.max_drop,
+        candidates=args.candidates,
+        share=args.share,
+        select_train=args.select_train,
+        floor_stop=not args.no_floor_stop,
+        leakage_probe=_probe,
+    )
     tokenizer = text_lib.load_tokenizer_for(config.model)
     out_dir = run / "token_merge"
     out_dir.mkdir(exist_ok=True)
     summary, diffs = {}, {}
-    for attr in ctx.attributes:
-        ranked = word_rows.attribute_tokens(
-            train_split, [attr], args.candidates, args.share, table.shape[0]
-        )[attr]
-        target = token_merge.merge_target(core, ranked)
-        cache = {}
-
-        def reading(ids, target=target, cache=cache, attr=attr):
-            if len(ids) not in cache:
-                t = table.copy()
-                t[ids] = target
-                acc, h_tr, h_dev = measure(_with_table(core, jnp.asarray(t)))
-                leak = _probe(h_tr, select.attrs[attr], h_dev, dev.attrs[attr])
-                cache[len(ids)] = (100.0 * (core_acc - acc), leak)
-            return cache[len(ids)]
-
-        def drop(ids, reading=reading):
-            return reading(ids)[0]
-
-        def leak(ids, reading=reading):
-            return reading(ids)[1]
-
-        floor = removal.leakage_floor(
-            np.asarray(select.task),
-            np.asarray(select.attrs[attr]),
-            np.asarray(dev.task),
-            np.asarray(dev.attrs[attr]),
-            num_task_classes=int(np.max(select.task)) + 1,
-            num_attr_classes=int(np.max(select.attrs[attr])) + 1,
-        )
-        counts = [c for c in COUNTS if c < len(ranked)] + [len(ranked)]
-        tolerance = token_merge.balanced_accuracy_se(floor, dev.attrs[attr])
-        probe = {"leakage": leak, "floor": floor, "tolerance": tolerance}
-        probe = {} if args.no_floor_stop else probe
-        k, read = token_merge.choose_count(ranked, drop, args.max_drop, counts, **probe)
-        tokens = word_rows.describe({attr: ranked[:k]}, tokenizer)[attr] if k else []
+    for attr, choice in choices.items():
+        summary[attr] = choice.summary(tokenizer)
         print(
-            f"{attr}: {len(ranked)} candidates; dev floor {floor:.3f} "
-            f"(+ {tolerance:.3f}); merged {k}: {tokens}"
+            f"{attr}: {len(choice.ranked)} candidates; dev floor {choice.floor:.3f} "
+            f"(+ {choice.tolerance:.3f}); merged {choice.merged}: "
+            f"{summary[attr]['tokens']}"
         )
-        for rec in read:
+        for rec in choice.read:
             print("   ", {key: round(v, 3) for key, v in rec.items()}, flush=True)
-        summary[attr] = {
-            "candidates": len(ranked),
-            "dev_floor": floor,
-            "tolerance": tolerance,
-            "read": read,
-            "merged": k,
-            "tokens": tokens,
-        }
-        if k:
-            diff = token_merge.merge_diff(
-                core, ranked[:k], target, name=attr, info={"max_drop": args.max_drop}
-            )
+        if choice.diff is not None:
             diff_files.save_sparse_diff(
-                out_dir / f"{attr}.safetensors", diff, overwrite=True
+                out_dir / f"{attr}.safetensors", choice.diff, overwrite=True
             )
-            diffs[attr] = diff
+            diffs[attr] = choice.diff
     reps = out_dir / (
         f"reps_test{args.test_examples}" if args.test_examples else "reps"
     )

@@ -30,4 +30,9 @@ from moddiffy_jax.config_lib import experiment_config
 
 
 def get_config(arg=None):
-    return experiment_config("moddiffy_par", arg)
+    config = experiment_config("moddiffy_par", arg)
+    # The main job also builds a token-merge diff per attribute on its core
+    # and adds those rows to its composition matrix (a few minutes on 2
+    # cores; --config.eval.token_merge.enabled=False turns it off).
+    config.eval.token_merge.enabled = bool(config.eval.leakage)
+    return config

@@ -178,6 +178,19 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # covariance (False: standardized per feature; docs/efficacy.md, stop 23).
     c.eval.probe_whiten = True
     c.eval.inlp = True
+    # Token-merge diffs built on the core after training and added to the
+    # composition matrix (methods/token_merge.py; text encoders only): each
+    # attribute's most telling tokens share one word row, as many as
+    # max_drop task points (read on select_train train + dev examples) allow.
+    c.eval.token_merge = ml_collections.ConfigDict(
+        {
+            "enabled": False,
+            "max_drop": 1.5,
+            "candidates": 64,
+            "share": 0.1,
+            "select_train": 2000,
+        }
+    )
     # With train.eval_every: fresh linear probes (class-balanced, fit on the
     # first probe_max_train train rows) measure dev leakage of the core and
     # each diff during training, at phase ends and right after the cut.

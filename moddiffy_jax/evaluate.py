@@ -47,6 +47,19 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_bool("inlp", True, "Add the INLP rows.", flag_values=FLAGS)
 flags.DEFINE_bool(
+    "token_merge",
+    False,
+    "Build a token-merge diff per attribute on the core (written to "
+    "WORKDIR/token_merge/) and add its rows.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_float(
+    "token_merge_max_drop",
+    1.5,
+    "Task points a token merge may cost (read on train and dev).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_bool(
     "linear", True, "Add a linear probe to every entry.", flag_values=FLAGS
 )
 flags.DEFINE_bool(
@@ -114,6 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             inlp=FLAGS.inlp,
             linear=FLAGS.linear,
             allow_changed_inputs=FLAGS.allow_changed_inputs,
+            token_merge=(
+                {"max_drop": FLAGS.token_merge_max_drop} if FLAGS.token_merge else None
+            ),
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

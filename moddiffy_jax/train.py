@@ -392,6 +392,15 @@ def _stop_reason(config, global_step: int) -> str | None:
     return f"{signal_name} received" if signal_name else None
 
 
+def token_merge_options(config) -> dict[str, Any] | None:
+    """``config.eval.token_merge`` as ``evaluate_run``'s keyword arguments
+    (None when off, or for a config without the section)."""
+    section = config.eval.get("token_merge")
+    if section is None or not section.enabled:
+        return None
+    return {k: v for k, v in section.items() if k != "enabled"}
+
+
 def _leakage(config, workdir: Path, results: dict, attributes) -> dict[str, Any]:
     """Fresh probes of the exported run (``eval.composition.evaluate_run``);
     adds the INLP baselines' accuracy rows to ``results["composition"]``."""
@@ -407,9 +416,10 @@ def _leakage(config, workdir: Path, results: dict, attributes) -> dict[str, Any]
         probe_config=probe_config,
         inlp=config.eval.inlp,
         verify_inputs=False,  # checked when this run started
+        token_merge=token_merge_options(config),
     )
     for label, row in evaluation["composition"].items():
-        if label not in results["composition"]:  # the INLP baselines
+        if label not in results["composition"]:  # INLP and token-merge rows
             results["composition"][label] = {
                 k: row[k] for k in ("dev_task_acc", "test_task_acc")
             }

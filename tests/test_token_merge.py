@@ -178,3 +178,73 @@ def test_the_floor_stop_allows_the_probes_noise():
         tolerance=se,
     )
     assert k == 2  # 0.755 is within one standard error (0.0196) of 0.74
+
+
+def _planted_split(n, seed):
+    """Each example: one task token (10 / 11), one attribute token (20 / 21,
+    independent of the task) and three filler tokens (30-39)."""
+    from moddiffy_jax.data.dataset import TokenizedSplit
+
+    rng = np.random.default_rng(seed)
+    task = rng.integers(0, 2, n).astype(np.int32)
+    attr = rng.integers(0, 2, n).astype(np.int32)
+    ids = np.concatenate(
+        [(10 + task)[:, None], (20 + attr)[:, None], rng.integers(30, 40, (n, 3))],
+        axis=1,
+    ).astype(np.int32)
+    return TokenizedSplit(
+        input_ids=ids,
+        attention_mask=np.ones_like(ids),
+        token_type_ids=np.zeros_like(ids),
+        task=task,
+        attrs={"a": attr},
+    )
+
+
+def _bag_of_rows(params, split):
+    """A stand-in encoder: the mean of the examples' word rows."""
+    table = np.asarray(selection.flatten(params)[WORD_TABLE])
+    return table[split.input_ids].mean(1)
+
+
+@pytest.mark.parametrize("task_reads_attr_rows", [False, True])
+def test_build_merges_merges_the_attributes_tokens_within_the_budget(
+    model, task_reads_attr_rows
+):
+    _, params = model
+    table = np.asarray(selection.flatten(params)[WORD_TABLE])
+    train, dev = _planted_split(400, 0), _planted_split(200, 1)
+    # The head reads the task tokens' rows, or (second case) the attribute
+    # tokens' rows, so that merging them costs the task.
+    a, b = (20, 21) if task_reads_attr_rows else (10, 11)
+    direction = table[b] - table[a]
+    midpoint = (table[a] + table[b]) / 2 / 5 + table[30:40].mean(0) * 3 / 5
+
+    def predict(h):
+        return ((h - midpoint) @ direction > 0).astype(np.int32)
+
+    if task_reads_attr_rows:  # the task follows the attribute 80% of the time
+        for i, split in enumerate((train, dev)):
+            flip = np.random.default_rng(10 + i).random(len(split)) < 0.2
+            split.task[:] = np.where(flip, 1 - split.attrs["a"], split.attrs["a"])
+    core_rep = _bag_of_rows(params, dev)
+    assert np.mean(predict(core_rep) == dev.task) > 0.7  # the head works
+    choices = token_merge.build_merges(
+        params, train, dev, {"a": 2}, _bag_of_rows, predict, max_drop=1.5
+    )
+    choice = choices["a"]
+    if task_reads_attr_rows:
+        # Merging 20 or 21 costs the task more than the budget: nothing is
+        # merged.
+        assert choice.merged == 0 and choice.diff is None
+        assert set(choice.ranked[:2]) == {20, 21}
+        assert min(r["fitted"] for r in choice.read) > 1.5
+        return
+    assert set(choice.ranked[: choice.merged]) == {20, 21}
+    assert choice.diff.info["tokens"] == sorted(choice.ranked[:2])
+    merged = sparse_lib.apply_diffs(params, [choice.diff])
+    rows = np.asarray(selection.flatten(merged)[WORD_TABLE])
+    np.testing.assert_allclose(rows[20], rows[21], atol=1e-6)
+    # It stopped at the floor (0.5 here): the last read leaks no more.
+    assert choice.read[-1]["leakage"] <= choice.floor + choice.tolerance
+    assert choice.summary()["tokens"] == list(choice.ranked[:2])

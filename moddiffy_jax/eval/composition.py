@@ -359,6 +359,7 @@ def evaluate_run(
     batch_size: int = 128,
     allow_changed_inputs: bool = False,
     verify_inputs: bool = True,
+    token_merge: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Evaluates the composition matrix of a finished run; see the module doc.
 
@@ -374,6 +375,12 @@ def evaluate_run(
         differ from what the run was trained on (``workdir.check_inputs``).
       verify_inputs: compare the inputs with the run's ``inputs.json``
         (False where the caller has just done so: the end of training).
+      token_merge: if given, build a token-merge diff per attribute on the
+        core (:func:`moddiffy_jax.methods.token_merge.build_merges`, these
+        keyword arguments: ``max_drop``, ``candidates``, ``share``,
+        ``select_train``), write each to
+        ``workdir/token_merge/<attribute>.safetensors`` and add the rows
+        ``core+merge(<attribute>)`` and, for several, all merges together.
 
     Returns:
       The results (also written to ``workdir/eval/results.json``).
@@ -482,6 +489,21 @@ def evaluate_run(
                 "directions_removed": int(fit.num_removed),
             }
             rows[f"core+INLP({attr})"] = row
+    merges = {}
+    if token_merge is not None and ctx.attributes:
+        merges = _merge_rows(
+            ctx,
+            evaluator,
+            rep,
+            art,
+            workdir,
+            dict(token_merge),
+            rep_splits,
+            rows,
+            lambda reps: _row(
+                ctx, rep, art.head, reps, probe_config, linear, eval_splits, {}, {}
+            ),
+        )
     results = {
         "workdir": str(workdir),
         "method": config.method.name,
@@ -506,6 +528,7 @@ def evaluate_run(
             for n, o in ood_sets.items()
         },
         "composition": rows,
+        **({"token_merge": merges} if merges else {}),
         "floors": leakage_floors(ctx) if ctx.attributes else {},
         "wall_time_s": time.time() - start,
     }
@@ -513,6 +536,52 @@ def evaluate_run(
     checkpoints.write_json_atomic(out_dir / "results.json", _jsonable(results))
     (out_dir / "report.md").write_text(format_report(results))
     return results
+
+
+def _merge_rows(
+    ctx, evaluator, rep, art, workdir, options, rep_splits, rows, make_row
+) -> dict[str, Any]:
+    """Token-merge diffs on the core: chosen, written, and one row each (plus
+    all together); returns ``{attribute: summary}``."""
+    from moddiffy_jax.methods import token_merge as merge_lib
+    from moddiffy_jax.models import text as text_lib
+    from moddiffy_jax.subnets import diff_files
+
+    choices = merge_lib.build_merges(
+        art.core,
+        ctx.data.splits["train"],
+        ctx.data.splits["dev"],
+        {a: len(ctx.data.attr_classes[a]) for a in ctx.attributes},
+        rep.represent_split,
+        lambda h: rep.predict(art.head, h),
+        **options,
+    )
+    tokenizer = text_lib.load_tokenizer_for(ctx.config.model)
+    out_dir = workdir / "token_merge"
+    out_dir.mkdir(exist_ok=True)
+    summaries, diffs = {}, {}
+    for attr, choice in choices.items():
+        summaries[attr] = choice.summary(tokenizer)
+        if choice.diff is not None:
+            path = out_dir / f"{attr}.safetensors"
+            diff_files.save_sparse_diff(path, choice.diff, overwrite=True)
+            summaries[attr]["path"] = str(path)
+            diffs[attr] = choice.diff
+        logging.info(
+            "token merge %s: %d of %d candidates merged: %s",
+            attr,
+            choice.merged,
+            len(choice.ranked),
+            " ".join(map(str, summaries[attr]["tokens"])),
+        )
+    subsets = [(n,) for n in diffs] + ([tuple(diffs)] if len(diffs) > 1 else [])
+    for subset in subsets:
+        params = evaluator.compose(art.core, [diffs[n] for n in subset])
+        reps = {s: rep.represent(params, s) for s in rep_splits}
+        label = "core" + "".join(f"+merge({n})" for n in subset)
+        logging.info("Evaluating %s", label)
+        rows[label] = make_row(reps)
+    return summaries
 
 
 def _jsonable(obj: Any) -> Any:

@@ -34,7 +34,8 @@ the trained diffs of :mod:`~moddiffy_jax.methods.moddiffy`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -203,3 +204,176 @@ def choose_count(
             if rec["leakage"] <= floor + tolerance:
                 break
     return chosen, read
+
+
+# Prefix sizes read by :func:`build_merges` (then the whole candidate list).
+COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeChoice:
+    """What :func:`build_merges` chose for one attribute.
+
+    Attributes:
+      attribute: the attribute's name.
+      ranked: the candidate token ids, best first.
+      merged: how many of them the diff merges (0: none within budget).
+      floor: the attribute's leakage floor on the dev split.
+      tolerance: the dev probe's standard error at the floor.
+      read: one record per prefix size read (see :func:`choose_count`).
+      diff: the merge diff (None when ``merged`` is 0).
+    """
+
+    attribute: str
+    ranked: tuple[int, ...]
+    merged: int
+    floor: float
+    tolerance: float
+    read: list[dict]
+    diff: sparse_lib.SparseDiff | None
+
+    def summary(self, tokenizer=None) -> dict[str, Any]:
+        """A JSON-ready record (tokens as text with ``tokenizer``)."""
+        ids = list(self.ranked[: self.merged])
+        return {
+            "candidates": len(self.ranked),
+            "merged": self.merged,
+            "tokens": tokenizer.convert_ids_to_tokens(ids) if tokenizer else ids,
+            "dev_floor": self.floor,
+            "tolerance": self.tolerance,
+            "read": self.read,
+        }
+
+
+def _default_leakage(h_train, y_train, h_dev, y_dev, num_classes: int) -> float:
+    from moddiffy_jax.eval import removal
+
+    return removal.fresh_linear_leakage(
+        {"train": h_train, "dev": h_dev},
+        {"train": np.asarray(y_train), "dev": np.asarray(y_dev)},
+        num_classes=num_classes,
+    )
+
+
+def build_merges(
+    core: Any,
+    train_split: Any,
+    dev_split: Any,
+    attributes: Mapping[str, int],
+    represent: Callable[[Any, Any], np.ndarray],
+    predict: Callable[[np.ndarray], np.ndarray],
+    *,
+    max_drop: float = 1.5,
+    candidates: int = 64,
+    share: float = 0.1,
+    select_train: int = 2000,
+    floor_stop: bool = True,
+    leakage_probe: Callable[..., float] | None = None,
+    info: Mapping[str, Any] | None = None,
+) -> dict[str, MergeChoice]:
+    """Per attribute, the token-merge diff a task budget allows.
+
+    Ranks the tokens by ``I(token present; attribute | task label)`` on
+    ``train_split`` (:func:`~moddiffy_jax.methods.word_rows.attribute_tokens`,
+    at most ``candidates``, each at least ``share`` of the best), reads the
+    task cost of merging each prefix of the ranking in :data:`COUNTS` (the
+    run's own head through ``predict``; accuracy points lost on the first
+    ``select_train`` training examples and the dev split, pooled) and
+    chooses the prefix with :func:`choose_count`: the longest within
+    ``max_drop`` points, stopping (``floor_stop``) at the first whose dev
+    leakage (``leakage_probe(h_train, y_train, h_dev, y_dev, num_classes)``,
+    default a fresh class-balanced logistic regression on the standardized
+    representations, fit on the same training examples) is within its
+    standard error of the attribute's dev floor.
+
+    Args:
+      core: the encoder params the diffs are built on.
+      train_split, dev_split: tokenized splits (``input_ids``, ``task``,
+        ``attrs``).
+      attributes: ``{name: number of classes}``.
+      represent: ``represent(params, split)`` -> [N, H] representations.
+      predict: the task head's predicted class for [N, H] representations.
+      max_drop, candidates, share, select_train, floor_stop: as above.
+      leakage_probe: the dev probe (see above).
+      info: extra fields stored in each diff's info.
+
+    Returns:
+      ``{attribute: MergeChoice}``, in the order of ``attributes``.
+    """
+    from moddiffy_jax.data import subset_split
+    from moddiffy_jax.eval import removal
+    from moddiffy_jax.methods import word_rows
+
+    if max_drop < 0:
+        raise ValueError(f"max_drop must be >= 0 task points; got {max_drop}.")
+    if select_train < 1:
+        raise ValueError(f"select_train must be >= 1; got {select_train}.")
+    probe = leakage_probe or _default_leakage
+    table = _table(core)
+    flat_core = dict(selection.flatten(core))
+    n = min(select_train, len(train_split.task))
+    select = subset_split(train_split, np.arange(n))
+    pooled_task = np.concatenate([np.asarray(select.task), np.asarray(dev_split.task)])
+
+    def measure(params):
+        h_tr, h_dev = represent(params, select), represent(params, dev_split)
+        pred = np.concatenate([predict(h_tr), predict(h_dev)])
+        return float(np.mean(pred == pooled_task)), h_tr, h_dev
+
+    core_acc = measure(core)[0]
+    num_task = int(max(np.max(select.task), np.max(dev_split.task))) + 1
+    out = {}
+    for attr, num_classes in attributes.items():
+        ranked = word_rows.attribute_tokens(
+            train_split, [attr], candidates, share, table.shape[0]
+        )[attr]
+        y_tr, y_dev = np.asarray(select.attrs[attr]), np.asarray(dev_split.attrs[attr])
+        floor = removal.leakage_floor(
+            np.asarray(select.task),
+            y_tr,
+            np.asarray(dev_split.task),
+            y_dev,
+            num_task_classes=num_task,
+            num_attr_classes=int(num_classes),
+        )
+        tolerance = balanced_accuracy_se(floor, y_dev)
+        if len(ranked) == 0:
+            out[attr] = MergeChoice(attr, (), 0, floor, tolerance, [], None)
+            continue
+        target = merge_target(core, ranked)
+        cache: dict[int, tuple] = {}
+
+        def reading(ids, target=target, cache=cache):
+            if len(ids) not in cache:
+                t = table.copy()
+                t[ids] = target
+                params = selection.unflatten({**flat_core, WORD_TABLE: t})
+                acc, h_tr, h_dev = measure(params)
+                cache[len(ids)] = (100.0 * (core_acc - acc), h_tr, h_dev)
+            return cache[len(ids)]
+
+        def leak(ids, reading=reading, y_tr=y_tr, y_dev=y_dev, c=num_classes):
+            _, h_tr, h_dev = reading(ids)
+            return probe(h_tr, y_tr, h_dev, y_dev, int(c))
+
+        counts = [c for c in COUNTS if c < len(ranked)] + [len(ranked)]
+        stop = {"leakage": leak, "floor": floor, "tolerance": tolerance}
+        k, read = choose_count(
+            ranked,
+            lambda ids, reading=reading: reading(ids)[0],
+            max_drop,
+            counts,
+            **(stop if floor_stop else {}),
+        )
+        diff = None
+        if k:
+            diff = merge_diff(
+                core,
+                ranked[:k],
+                target,
+                name=attr,
+                info={"max_drop": max_drop, **dict(info or {})},
+            )
+        ranked_ids = tuple(int(t) for t in ranked)
+        out[attr] = MergeChoice(attr, ranked_ids, k, floor, tolerance, read, diff)
+    return out
