@@ -72,6 +72,34 @@ def test_weights_and_subset_size(run):
         composition.evaluate_run(run, probe_config=FAST_PROBES, weights={"race": 1})
 
 
+def test_token_merge_rows(run):
+    from moddiffy_jax.subnets import diff_files
+
+    results = composition.evaluate_run(
+        run,
+        probe_config=FAST_PROBES,
+        max_subset_size=0,
+        inlp=False,
+        linear=False,
+        token_merge={"max_drop": 100.0, "select_train": 200, "candidates": 4},
+    )
+    assert list(results["composition"]) == [
+        "core",
+        "core+merge(gender)",
+        "core+merge(age)",
+        "core+merge(gender)+merge(age)",
+    ]
+    for attr in ("gender", "age"):
+        merge = results["token_merge"][attr]
+        assert 1 <= merge["merged"] <= 4 and len(merge["tokens"]) == merge["merged"]
+        assert all(isinstance(t, str) for t in merge["tokens"])
+        diff = diff_files.load_sparse_diff(run / "token_merge" / f"{attr}.safetensors")
+        assert diff.info["method"] == "token_merge"
+        assert len(diff.info["tokens"]) == merge["merged"]
+    report = (run / "eval" / "report.md").read_text()
+    assert "core+merge(gender)+merge(age)" in report
+
+
 def test_diff_from_another_base_is_refused(run, tmp_path):
     """Diffs checked against a core that is not the one they were trained on."""
     import jax

@@ -248,3 +248,26 @@ def test_build_merges_merges_the_attributes_tokens_within_the_budget(
     # It stopped at the floor (0.5 here): the last read leaks no more.
     assert choice.read[-1]["leakage"] <= choice.floor + choice.tolerance
     assert choice.summary()["tokens"] == list(choice.ranked[:2])
+
+
+def test_represent_merged_encodes_only_the_examples_holding_merged_tokens(model):
+    _, params = model
+    split = _planted_split(50, 2)
+    target = token_merge.merge_target(params, [20, 21])
+    merged = sparse_lib.apply_diffs(
+        params, [token_merge.merge_diff(params, [20], target, name="a")]
+    )
+    seen = []
+
+    def represent(p, s):
+        seen.append(len(s))
+        return _bag_of_rows(p, s)
+
+    base = _bag_of_rows(params, split)
+    out = token_merge.represent_merged(represent, merged, split, base, [20])
+    np.testing.assert_allclose(out, _bag_of_rows(merged, split), atol=1e-7)
+    holding = token_merge.changed_rows(split, [20])
+    assert seen == [len(holding)] and 0 < len(holding) < len(split)
+    assert np.all(split.input_ids[holding, 1] == 20)
+    kept = np.setdiff1d(np.arange(len(split)), holding)
+    np.testing.assert_array_equal(out[kept], base[kept])

@@ -498,7 +498,7 @@ def evaluate_run(
             art,
             workdir,
             dict(token_merge),
-            rep_splits,
+            core_reps,
             rows,
             lambda reps: _row(
                 ctx, rep, art.head, reps, probe_config, linear, eval_splits, {}, {}
@@ -539,7 +539,7 @@ def evaluate_run(
 
 
 def _merge_rows(
-    ctx, evaluator, rep, art, workdir, options, rep_splits, rows, make_row
+    ctx, evaluator, rep, art, workdir, options, core_reps, rows, make_row
 ) -> dict[str, Any]:
     """Token-merge diffs on the core: chosen, written, and one row each (plus
     all together); returns ``{attribute: summary}``."""
@@ -577,7 +577,13 @@ def _merge_rows(
     subsets = [(n,) for n in diffs] + ([tuple(diffs)] if len(diffs) > 1 else [])
     for subset in subsets:
         params = evaluator.compose(art.core, [diffs[n] for n in subset])
-        reps = {s: rep.represent(params, s) for s in rep_splits}
+        ids = [t for n in subset for t in diffs[n].info["tokens"]]
+        reps = {
+            s: merge_lib.represent_merged(
+                rep.represent_split, params, ctx.data.splits[s], h, ids
+            )
+            for s, h in core_reps.items()
+        }
         label = "core" + "".join(f"+merge({n})" for n in subset)
         logging.info("Evaluating %s", label)
         rows[label] = make_row(reps)

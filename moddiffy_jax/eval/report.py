@@ -123,6 +123,7 @@ def format_report(results: Mapping[str, Any]) -> str:
                 cells += [_fmt(floors[a][what]), _fmt(floors[a][what]), ""]
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", _floor_note()] + _gap_closed_lines(rows, attrs, floors)
+    lines += _token_merge_lines(results.get("token_merge") or {})
     lines += _ood_detail_tables(rows, ood_names)
     notes = sorted(
         {n for row in rows.values() for a in attrs for n in row["leakage"][a]["notes"]}
@@ -130,6 +131,27 @@ def format_report(results: Mapping[str, Any]) -> str:
     if notes:
         lines += ["", "Notes:"] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _token_merge_lines(merges: Mapping[str, Any]) -> list[str]:
+    """Which tokens each ``merge(<attribute>)`` row merged."""
+    if not merges:
+        return []
+    lines = [
+        "",
+        "`merge(<attribute>)`: a token-merge diff built on the core after "
+        "training (the attribute's most telling tokens given one shared word "
+        "row, as many as the task budget allows, stopping at the dev floor; "
+        "`token_merge/<attribute>.safetensors`):",
+        "",
+    ]
+    for attr, m in merges.items():
+        tokens = ", ".join(str(t) for t in m["tokens"]) or "none within budget"
+        lines.append(
+            f"- {attr}: {m['merged']} of {m['candidates']} candidates ({tokens}); "
+            f"dev floor {m['dev_floor']:.3f}"
+        )
+    return lines
 
 
 def _floor_note() -> str:

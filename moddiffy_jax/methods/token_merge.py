@@ -245,6 +245,34 @@ class MergeChoice:
         }
 
 
+def changed_rows(split: Any, token_ids: Sequence[int]) -> np.ndarray:
+    """Indices of the examples of ``split`` that hold any of ``token_ids``
+    among their real tokens: the only ones a merge of those tokens changes."""
+    ids = np.asarray(token_ids, np.int64).reshape(-1)
+    hit = np.isin(split.input_ids, ids) & (np.asarray(split.attention_mask) > 0)
+    return np.flatnonzero(hit.any(1))
+
+
+def represent_merged(
+    represent: Callable[[Any, Any], np.ndarray],
+    params: Any,
+    split: Any,
+    base: np.ndarray,
+    token_ids: Sequence[int],
+) -> np.ndarray:
+    """``represent(params, split)`` for params that differ from those giving
+    ``base`` (the split's representations) only in the word rows of
+    ``token_ids``: the examples without those tokens keep their ``base``
+    rows, and only the others are encoded again."""
+    from moddiffy_jax.data import subset_split
+
+    rows = changed_rows(split, token_ids)
+    out = np.array(base, copy=True)
+    if rows.size:
+        out[rows] = represent(params, subset_split(split, rows))
+    return out
+
+
 def _default_leakage(h_train, y_train, h_dev, y_dev, num_classes: int) -> float:
     from moddiffy_jax.eval import removal
 
@@ -315,12 +343,20 @@ def build_merges(
     select = subset_split(train_split, np.arange(n))
     pooled_task = np.concatenate([np.asarray(select.task), np.asarray(dev_split.task)])
 
-    def measure(params):
-        h_tr, h_dev = represent(params, select), represent(params, dev_split)
+    core_h = represent(core, select), represent(core, dev_split)
+
+    def measure(params, ids):
+        """Task accuracy pooled over the selection examples, and their
+        train and dev representations, with the word rows of ``ids`` merged
+        (only the examples holding them are encoded again)."""
+        h_tr, h_dev = (
+            represent_merged(represent, params, split, base, ids)
+            for split, base in zip((select, dev_split), core_h, strict=True)
+        )
         pred = np.concatenate([predict(h_tr), predict(h_dev)])
         return float(np.mean(pred == pooled_task)), h_tr, h_dev
 
-    core_acc = measure(core)[0]
+    core_acc = measure(core, [])[0]
     num_task = int(max(np.max(select.task), np.max(dev_split.task))) + 1
     out = {}
     for attr, num_classes in attributes.items():
@@ -348,7 +384,7 @@ def build_merges(
                 t = table.copy()
                 t[ids] = target
                 params = selection.unflatten({**flat_core, WORD_TABLE: t})
-                acc, h_tr, h_dev = measure(params)
+                acc, h_tr, h_dev = measure(params, ids)
                 cache[len(ids)] = (100.0 * (core_acc - acc), h_tr, h_dev)
             return cache[len(ids)]
 
