@@ -13,7 +13,8 @@ attribute's dev floor
 (:func:`moddiffy_jax.methods.token_merge.choose_count`). The merge diffs
 are written to ``<run>/token_merge/<attribute>.safetensors`` (ordinary
 sparse diff files on the core). Then the core, core + each merge diff and
-core + all of them are probed as ``benchmarks/sk_probes.py`` does
+core + all of them (with ``--with_trained`` also the run's own diff of each
+attribute, alone and plus its merge) are probed as ``benchmarks/sk_probes.py`` does
 (scikit-learn linear / MLP probes fit on train, test balanced accuracy, gap
 closed toward the floor), with ``--test_examples`` as there.
 
@@ -115,12 +116,19 @@ def merge_run(run: Path, args) -> dict:
     reps.mkdir(exist_ok=True)
     names = list(diffs)
     subsets = [()] + [(n,) for n in names] + ([tuple(names)] if len(names) > 1 else [])
-    for subset in subsets:
-        params = evaluator.compose(core, [diffs[n] for n in subset]) if subset else core
+    rows = {
+        "core" + "".join(f"+merge_{n}" for n in subset): [diffs[n] for n in subset]
+        for subset in subsets
+    }
+    if args.with_trained:  # the run's own diff of each attribute, then its merge
+        for n in names:
+            if n in art.diffs:
+                rows[f"core+{n}"] = [art.diffs[n]]
+                rows[f"core+{n}+merge_{n}"] = [art.diffs[n], diffs[n]]
+    for label, parts in rows.items():
+        params = evaluator.compose(core, parts) if parts else core
         arrays = fresh_probe.split_arrays(ctx, rep, params, art.head, SPLITS)
-        np.savez(
-            reps / ("core" + "".join(f"+merge_{n}" for n in subset) + ".npz"), **arrays
-        )
+        np.savez(reps / f"{label}.npz", **arrays)
     res = sk_probes.probe_reps(reps)
     res["merge"] = summary
     (reps / "probes.json").write_text(json.dumps(res, indent=1))
@@ -150,6 +158,12 @@ def main() -> None:
         "--no_floor_stop",
         action="store_true",
         help="merge the longest prefix within budget, without the dev probe",
+    )
+    parser.add_argument(
+        "--with_trained",
+        action="store_true",
+        help="also probe the run's own diff of each attribute, alone and "
+        "with that attribute's merge diff added",
     )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")

@@ -191,7 +191,7 @@ def adam_second_moment(opt_state: Any, key: common.Key) -> Any:
 def close_diff_gates(
     ctx, trainable: dict, keep: float, opt_states: Mapping[str, Any]
 ) -> dict:
-    """Closes each diff's gates outside its top ``keep`` fraction (host side).
+    """Closes each diff's gates outside its top ``keep`` fraction.
 
     ``diff.prune_score``: ``magnitude`` ranks ``|z * delta|``; ``taylor`` ranks
     ``|z * delta| * sqrt(nu)`` with ``nu`` Adam's running mean of the squared
@@ -199,6 +199,10 @@ def close_diff_gates(
     if the entry were removed (Adam moves every entry with a consistent
     gradient sign at about the learning rate, so magnitude alone says little
     about importance).
+
+    The scores are computed where the diffs live; only they and the open
+    entries come to the host, for the exact top-k, and only the diffs' own
+    leaves change (the core and the optimizer states are not copied).
     """
     for key in diff_keys(ctx.method, ctx.attributes):
         state = common.get_part(trainable, key)
@@ -206,7 +210,7 @@ def close_diff_gates(
         if ctx.config.diff.prune_score == "taylor":
             sub = "task" if key == ("task_diff",) else f"debias/{key[-1]}"
             nu = adam_second_moment(opt_states[sub], key)
-            values = jax.tree.map(lambda v, n: v * np.sqrt(n), values, nu)
+            values = jax.tree.map(lambda v, n: v * jnp.sqrt(n), values, nu)
         mask = diffs_lib.magnitude_keep_mask(
             jax.device_get(values),
             keep=keep,
@@ -238,15 +242,11 @@ def after_step(
     keep = gradual_keep(ctx.config, phase_step, n_steps)
     if keep is None:
         return state, None
-    trainable = close_diff_gates(
-        ctx,
-        jax.device_get(state.trainable),
-        keep,
-        jax.device_get(state.opt_states),
-    )
-    return parallel.replicate(state.replace(trainable=trainable), ctx.mesh), {
-        "diff/keep": keep
-    }
+    trainable = close_diff_gates(ctx, state.trainable, keep, state.opt_states)
+    for key in diff_keys(ctx.method, ctx.attributes):  # the leaves that changed
+        part = parallel.replicate(common.get_part(trainable, key), ctx.mesh)
+        trainable = common.set_part(trainable, key, part)
+    return state.replace(trainable=trainable), {"diff/keep": keep}
 
 
 def checkpoint_extra(frozen: Mapping[str, Any]) -> Any:

@@ -534,10 +534,32 @@ def _magnitude_dtype(dtype: np.dtype) -> np.dtype:
 
 
 def _topk_threshold(magnitudes: np.ndarray, k: int) -> Any:
-    """The k-th largest value (k >= 1); reorders ``magnitudes`` in place."""
-    n = magnitudes.shape[0]
-    magnitudes.partition(n - k)
-    return magnitudes[n - k]
+    """The k-th largest of the non-negative entries (k >= 1; negative entries
+    mark ineligible ones, which rank last, and k must not exceed the count of
+    the others).
+
+    Exact radix selection over the float bit patterns (16 bits per pass,
+    which order like the values for non-negative floats): as fast with many
+    equal entries as without, where ``np.partition`` slows down 20-fold (the
+    entries closed by a gradual cut are all equal; stop 29 measured 3.2 s
+    per MiniLM diff against 0.15 s).
+    """
+    m = magnitudes[magnitudes >= 0]
+    if not 1 <= k <= m.size:
+        raise ValueError(f"k={k} must lie in [1, {m.size}] (eligible entries).")
+    uint = np.uint64 if m.dtype == np.float64 else np.uint32
+    candidates = m.view(uint)
+    prefix, remaining = 0, k
+    for shift in range(8 * m.dtype.itemsize - 16, -1, -16):
+        digit = ((candidates >> shift) & 0xFFFF).astype(np.int64)
+        counts = np.bincount(digit, minlength=1 << 16)
+        at_least = np.cumsum(counts[::-1])  # [i]: entries with digit >= 65535 - i
+        i = int(np.searchsorted(at_least, remaining))
+        d = (1 << 16) - 1 - i
+        remaining -= int(at_least[i] - counts[d])  # those with a larger digit
+        candidates = candidates[digit == d]
+        prefix |= d << shift
+    return np.asarray(prefix, uint).view(m.dtype)[()]
 
 
 def _select_topk(
