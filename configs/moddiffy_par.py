@@ -24,6 +24,10 @@ seed) is not yet met. With three times the steps the age diff closes
 (seed 0, stop 15) the dialect diff lowers dialect leakage by 7.0 / 4.6
 points (linear / MLP) at -0.9 points of accuracy; the official code's
 diff, re-probed the same way, lowers it by none.
+Since stop 29 the main job also builds a token-merge diff per attribute on
+its core (eval.token_merge; docs/efficacy.md, "Stop 29"): on seed 0 they
+close 0.65 / 0.86 (attacker / linear) of gender's gap at -1.1 points and
+0.83 / 0.91 of age's at -1.7; about 13 min 50 s on a fresh clone.
 """
 
 from moddiffy_jax.config_lib import experiment_config
