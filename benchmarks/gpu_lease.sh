@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One prepared call of a lent GPU machine for benchmarks/gpu.py (issue 14).
+#
+#   bash benchmarks/gpu_lease.sh prepare     # here: wheels into .whl/, MiniLM's
+#                                            # tokenizer files into .gpu/tok/
+#   bash benchmarks/gpu_lease.sh run [ARGS]  # there (carry .whl and .gpu):
+#                                            # benchmarks/gpu.py ARGS
+#
+# The machine's image has jax (CUDA), flax, optax, orbax and chex but not
+# ml-collections, grain, array-record or portpicker, and no MiniLM package;
+# .whl/ and .gpu/ are ignored by git: name both in the call's carry. `run` turns
+# XLA's GPU autotuning and Triton GEMMs off unless XLA_FLAGS is set: with
+# the defaults the MoDDiffy-par step had not compiled after 4.5 minutes
+# (stop 29, docs/speed.md). Output goes to $OUT (the device tool's folder).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+case "${1:-}" in
+prepare)
+  rm -rf .whl && mkdir -p .whl .gpu/tok
+  for pkg in ml-collections==1.1.0 grain==0.2.18 array-record==0.8.6 portpicker==1.6.0; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      -d .whl "$pkg" || exit 1
+  done
+  tok=$(python -c "from moddiffy_jax.models import bert; print(bert.resolve_model_dir(None))") || exit 1
+  for f in vocab.txt tokenizer.json tokenizer_config.json special_tokens_map.json config.json; do
+    cp "$tok/$f" .gpu/tok/ || exit 1
+  done
+  du -sh .whl .gpu
+  ;;
+run)
+  shift
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MODDIFFY_MODEL_DIR=$PWD/.gpu/tok
+  export XLA_FLAGS="${XLA_FLAGS:---xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0}"
+  out="${OUT:-/tmp/gpu_out}" && mkdir -p "$out"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  timeout -s ABRT "${BUDGET:-330}" python3 -X faulthandler benchmarks/gpu.py \
+    --out "$out/gpu.jsonl" "$@" 2>&1 | tee "$out/log.txt"
+  ;;
+*)
+  echo "usage: bash benchmarks/gpu_lease.sh prepare | run [gpu.py arguments]" >&2
+  exit 2
+  ;;
+esac
