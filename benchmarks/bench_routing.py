@@ -35,7 +35,8 @@ def _random_diff(params, seed, keep):
     return diffs_lib.prune_to_sparsity(dense, keep=keep)
 
 
-def _median_time(fn, repeats):
+def median_time(fn, repeats):
+    """Median seconds of ``fn()`` (blocked until ready) after one warm-up call."""
     jax.block_until_ready(fn())
     times = []
     for _ in range(repeats):
@@ -92,15 +93,15 @@ def main():
                 outs.append(forward(compose(core, diffs, one_hot[i]), groups[i + 1]))
             return outs
 
-        t_routed = _median_time(
+        t_routed = median_time(
             lambda routed=routed, weights=weights: routed_fn(routed, weights, batch),
             args.repeats,
         )
-        t_dense = _median_time(
+        t_dense = median_time(
             lambda r=routed_dense, weights=weights: routed_fn(r, weights, batch),
             args.repeats,
         )
-        t_sep = _median_time(separate, args.repeats)
+        t_sep = median_time(separate, args.repeats)
         print(
             f"{k} | {b / t_routed:.1f} | {b / t_dense:.1f} | {b / t_sep:.1f} | "
             f"{t_sep / t_routed:.2f}x | {t_sep / t_dense:.2f}x"

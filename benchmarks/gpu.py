@@ -39,6 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_steps  # noqa: E402
+from bench_routing import median_time  # noqa: E402
 
 # Dense bf16 tensor-core peak from NVIDIA's datasheets (TFLOP/s, no sparsity).
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
@@ -49,16 +50,6 @@ def datasheet_peak(device_kind: str) -> float | None:
         if name in device_kind:
             return tflops
     return None
-
-
-def median_time(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
 
 
 def matmul_ceiling(n: int = 8192, repeats: int = 10) -> float:
