@@ -101,8 +101,12 @@ def run_one(
     dtype: str,
     objective: str = "",
     step_jit: str = "step",
+    trace_dir: str | None = None,
 ):
     """Measures one configuration in this process; returns a dict.
+
+    With ``trace_dir``, three more steps run under ``jax.profiler.trace``
+    after the timed ones (a Perfetto trace there; see trace_summary.py).
 
     ``objective`` (methods that remove an attribute only): "adversarial" for
     the paper's (and the reference code's) removal step, "mmd" or "" for the
@@ -168,6 +172,11 @@ def run_one(
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t)
     median = float(np.median(times))
+    if trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(3):
+                state, metrics = step(state, frozen, next(it), rng)
+                jax.block_until_ready(metrics)
     n_params = sum(int(np.size(x)) for x in jax.tree.leaves(ctx.pretrained))
     return {
         "method": method,

@@ -10,7 +10,9 @@ Measures, on whatever device JAX sees first (meant for one GPU):
   ``--batch`` x ``--length`` tokens): compile time, median step time,
   examples/s, the model FLOPs of the step and MFU against the datasheet peak
   and against the measured ceiling; the step's ratio to three fine-tuning
-  steps (its floor: three forward-backward passes);
+  steps (its floor: three forward-backward passes); with ``--trace DIR``, a
+  profile of three more steps and where their device time goes
+  (``trace_summary.py``);
 * composing core + one and two 1%-dense diffs (``apply_diffs``, jitted) on
   BERT-base parameters.
 
@@ -74,9 +76,16 @@ def model_flops_per_pass(cfg: dict, batch: int, length: int) -> float:
     return 6.0 * n_matmul * tokens + 12.0 * n_layers * h * length * tokens
 
 
-def step_row(method, batch, length, steps, dtype, peak, ceiling) -> dict:
+def step_row(method, batch, length, steps, dtype, peak, trace_dir=None) -> dict:
     row = bench_steps.run_one(
-        method, "bert-base", batch, length, steps, dtype, "adversarial"
+        method,
+        "bert-base",
+        batch,
+        length,
+        steps,
+        dtype,
+        "adversarial",
+        trace_dir=trace_dir,
     )
     with open(os.path.join(bench_steps._bert_base_dir(), "config.json")) as f:
         cfg = json.load(f)
@@ -87,8 +96,15 @@ def step_row(method, batch, length, steps, dtype, peak, ceiling) -> dict:
         "model_tflop_per_step": round(flops / 1e12, 3),
         "achieved_tflops": round(achieved, 1),
         "mfu_datasheet": round(achieved / peak, 3) if peak else None,
-        "mfu_measured_ceiling": round(achieved / ceiling, 3),
     }
+    if trace_dir:
+        import trace_summary
+
+        try:
+            summary = trace_summary.summarize(trace_summary.find_trace(trace_dir))
+        except (OSError, ValueError, KeyError) as e:
+            summary = {"error": repr(e)}
+        row["trace"] = summary
     return row
 
 
@@ -137,47 +153,67 @@ def main():
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--matmul_n", type=int, default=8192)
     parser.add_argument("--no_compose", action="store_true")
+    parser.add_argument(
+        "--trace", default="", help="folder for a jax.profiler trace of each step"
+    )
     parser.add_argument("--out", default="benchmarks/results_gpu.jsonl")
     args = parser.parse_args()
 
     stamp, machine = bench_steps.stamp_and_machine()
     kind = jax.devices()[0].device_kind
     peak = datasheet_peak(kind)
-    ceiling = matmul_ceiling(args.matmul_n)
-    head = {
-        "what": "device",
-        "device": kind,
-        "backend": jax.default_backend(),
-        "jax": jax.__version__,
-        "bf16_matmul_tflops_measured": round(ceiling, 1),
-        "bf16_tflops_datasheet": peak,
-    }
-    print(json.dumps(head), flush=True)
-    bench_steps.append_jsonl(args.out, head | {"date": stamp, "machine": machine})
-    for row in [] if args.no_compose else compose_rows(args.keep, args.repeats):
+
+    def emit(row):
         print(json.dumps(row), flush=True)
         bench_steps.append_jsonl(args.out, row | {"date": stamp, "machine": machine})
+
+    for row in [] if args.no_compose else compose_rows(args.keep, args.repeats):
+        emit(row)
+    steps, ceiling = [], None
     for dtype in args.dtypes.split(","):
         by_method = {}
         for method in args.methods.split(","):
             print(f"{time.strftime('%H:%M:%S')} {method} {dtype}: building", flush=True)
+            trace_dir = (
+                os.path.join(args.trace, f"{method}_{dtype}_{args.batch}")
+                if args.trace
+                else None
+            )
             try:
                 row = step_row(
-                    method, args.batch, args.length, args.steps, dtype, peak, ceiling
+                    method, args.batch, args.length, args.steps, dtype, peak, trace_dir
                 )
             except Exception as e:  # report and go on to the next configuration
                 print(f"{method} {dtype} failed: {e!r}", flush=True)
                 continue
             by_method[method] = row
-            print(json.dumps(row), flush=True)
-            bench_steps.append_jsonl(
-                args.out, row | {"date": stamp, "machine": machine}
-            )
+            steps.append(row)
+            emit(row)
         if {"moddiffy_par", "finetune"} <= by_method.keys():
             ratio = by_method["moddiffy_par"]["step_s_median"] / (
                 3 * by_method["finetune"]["step_s_median"]
             )
             print(f"{dtype}: MoDDiffy-par step / (3 x finetune) = {ratio:.2f}")
+        if ceiling is None:
+            # The matmul ceiling after the first dtype's steps: other
+            # processes sharing the device (compile probes) are done by then.
+            ceiling = matmul_ceiling(args.matmul_n)
+            emit(
+                {
+                    "what": "device",
+                    "device": kind,
+                    "backend": jax.default_backend(),
+                    "jax": jax.__version__,
+                    "bf16_matmul_tflops_measured": round(ceiling, 1),
+                    "bf16_tflops_datasheet": peak,
+                }
+            )
+    for row in steps:
+        print(
+            f"{row['method']} {row['dtype']} batch {row['batch']}: "
+            f"{row['achieved_tflops'] / ceiling:.3f} of the measured ceiling",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

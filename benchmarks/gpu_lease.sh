@@ -34,11 +34,37 @@ run)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MODDIFFY_MODEL_DIR=$PWD/.gpu/tok
-  export XLA_FLAGS="${XLA_FLAGS:---xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0}"
   out="${OUT:-/tmp/gpu_out}" && mkdir -p "$out"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  if [ "${PROBES:-1}" = 1 ]; then
+    # Which XLA flag slows the compile: the fine-tuning step (batch 32 x 128,
+    # bf16) compiled under four flag sets at once, each in its own process
+    # with a small share of the device memory and a PROBE_S limit; "off" (both
+    # flags) is the control under the same load. The main run starts beside
+    # them and times its steps after its own first compile (longer than
+    # PROBE_S), so the probes' autotuning does not overlap the timed steps.
+    for probe in "default|" "autotune_on|--xla_gpu_enable_triton_gemm=false" \
+      "triton_on|--xla_gpu_autotune_level=0" \
+      "off|--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0"; do
+      name=${probe%%|*}
+      XLA_FLAGS=${probe#*|} XLA_PYTHON_CLIENT_MEM_FRACTION=0.08 \
+        timeout "${PROBE_S:-150}" python3 benchmarks/bench_steps.py --one \
+        --methods finetune --models bert-base --batch 32 --length 128 \
+        --dtype bfloat16 --steps 1 >"$out/probe_$name.txt" 2>&1 &
+    done
+  fi
+  export XLA_FLAGS="${XLA_FLAGS:---xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0}"
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.5}
   timeout -s ABRT "${BUDGET:-330}" python3 -X faulthandler benchmarks/gpu.py \
-    --out "$out/gpu.jsonl" "$@" 2>&1 | tee "$out/log.txt"
+    --out "$out/gpu.jsonl" --trace /tmp/gpu_trace "$@" 2>&1 | tee "$out/log.txt"
+  wait
+  for f in "$out"/probe_*.txt; do
+    echo "$f: $(grep -o '"compile_s": [0-9.]*' "$f" || echo "no result (limit ${PROBE_S:-150} s)")"
+  done
+  # The traces themselves, where small (summaries are in gpu.jsonl).
+  find /tmp/gpu_trace -name perfetto_trace.json.gz -size -40M 2>/dev/null |
+    while read -r f; do cp "$f" "$out/$(basename "$(dirname "$(dirname "$(dirname "$(dirname "$f")")")")").json.gz"; done
+  ls -la "$out"
   ;;
 *)
   echo "usage: bash benchmarks/gpu_lease.sh prepare | run [gpu.py arguments]" >&2

@@ -257,6 +257,28 @@ def test_bfloat16_compute_close_to_float32(tiny):
     assert diff.max() < 0.1, diff.max()  # LayerNorm outputs are O(1)
 
 
+def test_bfloat16_repeated_row_gradient_summed_in_float32():
+    """A row read thousands of times (padding, token type 0) gets its
+    gradients summed in the table's float32, not in bf16: in bf16 the sum of
+    4096 updates of 0.01 stalls near 4 (and on a GPU the bf16 scatter-add was
+    500x slower, docs/speed.md)."""
+    from moddiffy_jax.models import bert_model
+
+    embed = bert_model._RowEmbed(8, 4, dtype=jnp.bfloat16)
+    ids = jnp.zeros((64, 64), jnp.int32)
+    params = embed.init(jax.random.PRNGKey(0), ids)
+
+    def loss(p):
+        rows = embed.apply(p, ids)
+        assert rows.dtype == jnp.bfloat16
+        return jnp.sum(rows.astype(jnp.float32) * 0.01)
+
+    grad = jax.grad(loss)(params)["params"]["embedding"]
+    assert grad.dtype == jnp.float32
+    np.testing.assert_allclose(grad[0], 4096 * 0.01, rtol=1e-3)
+    np.testing.assert_array_equal(grad[1:], 0.0)
+
+
 def test_sequence_longer_than_positions_is_refused(tiny):
     config, params = tiny
     ids = np.ones((1, config.max_position_embeddings + 1), np.int32)
