@@ -76,7 +76,9 @@ def model_flops_per_pass(cfg: dict, batch: int, length: int) -> float:
     return 6.0 * n_matmul * tokens + 12.0 * n_layers * h * length * tokens
 
 
-def step_row(method, batch, length, steps, dtype, peak, trace_dir=None) -> dict:
+def step_row(
+    method, batch, length, steps, dtype, peak, trace_dir=None, step_jit="step"
+) -> dict:
     row = bench_steps.run_one(
         method,
         "bert-base",
@@ -85,6 +87,7 @@ def step_row(method, batch, length, steps, dtype, peak, trace_dir=None) -> dict:
         steps,
         dtype,
         "adversarial",
+        step_jit=step_jit,
         trace_dir=trace_dir,
     )
     with open(os.path.join(bench_steps._bert_base_dir(), "config.json")) as f:
@@ -154,6 +157,9 @@ def main():
     parser.add_argument("--matmul_n", type=int, default=8192)
     parser.add_argument("--no_compose", action="store_true")
     parser.add_argument(
+        "--step_jit", default="step", help="config.train.step_jit: step or substeps"
+    )
+    parser.add_argument(
         "--trace", default="", help="folder for a jax.profiler trace of each step"
     )
     parser.add_argument("--out", default="benchmarks/results_gpu.jsonl")
@@ -181,7 +187,14 @@ def main():
             )
             try:
                 row = step_row(
-                    method, args.batch, args.length, args.steps, dtype, peak, trace_dir
+                    method,
+                    args.batch,
+                    args.length,
+                    args.steps,
+                    dtype,
+                    peak,
+                    trace_dir,
+                    args.step_jit,
                 )
             except Exception as e:  # report and go on to the next configuration
                 print(f"{method} {dtype} failed: {e!r}", flush=True)
