@@ -180,6 +180,13 @@ def test_the_floor_stop_allows_the_probes_noise():
     assert k == 2  # 0.755 is within one standard error (0.0196) of 0.74
 
 
+def test_build_merges_refuses_a_negative_floor_z():
+    with pytest.raises(ValueError, match="floor_z"):
+        token_merge.build_merges(
+            None, None, None, {}, lambda p, s: None, None, floor_z=-1.0
+        )
+
+
 def _planted_split(n, seed):
     """Each example: one task token (10 / 11), one attribute token (20 / 21,
     independent of the task) and three filler tokens (30-39)."""
@@ -233,6 +240,9 @@ def test_build_merges_merges_the_attributes_tokens_within_the_budget(
         params, train, dev, {"a": 2}, _bag_of_rows, predict, max_drop=1.5
     )
     choice = choices["a"]
+    assert choice.tolerance == pytest.approx(  # the stop's margin: one SE
+        token_merge.balanced_accuracy_se(choice.floor, dev.attrs["a"])
+    )
     if task_reads_attr_rows:
         # Merging 20 or 21 costs the task more than the budget: nothing is
         # merged.

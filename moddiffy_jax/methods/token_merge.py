@@ -171,8 +171,8 @@ def choose_count(
     leakage is at or below ``floor + tolerance``: merging past it removes no
     more than the task label implies and only costs the task (main job,
     seed 0: all 8 age tokens took age 0.4 past its gap for 2.1 points).
-    ``tolerance`` is the probe's own noise at the floor
-    (:func:`balanced_accuracy_se`): a leakage within it cannot be told from
+    ``tolerance`` is the probe's own noise at the floor (a multiple of
+    :func:`balanced_accuracy_se`): a leakage within it cannot be told from
     the floor on that split.
 
     Returns the chosen size (0 when none is within budget) and one record
@@ -219,7 +219,8 @@ class MergeChoice:
       ranked: the candidate token ids, best first.
       merged: how many of them the diff merges (0: none within budget).
       floor: the attribute's leakage floor on the dev split.
-      tolerance: the dev probe's standard error at the floor.
+      tolerance: the stop's margin above the floor: ``floor_z`` standard
+        errors of the dev probe at the floor.
       read: one record per prefix size read (see :func:`choose_count`).
       diff: the merge diff (None when ``merged`` is 0).
     """
@@ -296,6 +297,7 @@ def build_merges(
     share: float = 0.1,
     select_train: int = 2000,
     floor_stop: bool = True,
+    floor_z: float = 1.0,
     leakage_probe: Callable[..., float] | None = None,
     info: Mapping[str, Any] | None = None,
 ) -> dict[str, MergeChoice]:
@@ -311,8 +313,8 @@ def build_merges(
     ``max_drop`` points, stopping (``floor_stop``) at the first whose dev
     leakage (``leakage_probe(h_train, y_train, h_dev, y_dev, num_classes)``,
     default a fresh class-balanced logistic regression on the standardized
-    representations, fit on the same training examples) is within its
-    standard error of the attribute's dev floor.
+    representations, fit on the same training examples) is within
+    ``floor_z`` standard errors of the attribute's dev floor.
 
     Args:
       core: the encoder params the diffs are built on.
@@ -321,7 +323,8 @@ def build_merges(
       attributes: ``{name: number of classes}``.
       represent: ``represent(params, split)`` -> [N, H] representations.
       predict: the task head's predicted class for [N, H] representations.
-      max_drop, candidates, share, select_train, floor_stop: as above.
+      max_drop, candidates, share, select_train, floor_stop, floor_z: as
+        above.
       leakage_probe: the dev probe (see above).
       info: extra fields stored in each diff's info.
 
@@ -336,6 +339,8 @@ def build_merges(
         raise ValueError(f"max_drop must be >= 0 task points; got {max_drop}.")
     if select_train < 1:
         raise ValueError(f"select_train must be >= 1; got {select_train}.")
+    if not floor_z >= 0:
+        raise ValueError(f"floor_z must be >= 0 standard errors; got {floor_z}.")
     probe = leakage_probe or _default_leakage
     table = _table(core)
     flat_core = dict(selection.flatten(core))
@@ -372,7 +377,7 @@ def build_merges(
             num_task_classes=num_task,
             num_attr_classes=int(num_classes),
         )
-        tolerance = balanced_accuracy_se(floor, y_dev)
+        tolerance = floor_z * balanced_accuracy_se(floor, y_dev)
         if len(ranked) == 0:
             out[attr] = MergeChoice(attr, (), 0, floor, tolerance, [], None)
             continue
