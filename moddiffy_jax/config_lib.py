@@ -181,9 +181,9 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # Token-merge diffs built on the core after training and added to the
     # composition matrix (methods/token_merge.py; text encoders only): each
     # attribute's most telling tokens share one word row, as many as
-    # max_drop task points (read on select_train train + dev examples) allow,
-    # stopping where the dev leakage is within floor_z standard errors of
-    # the attribute's floor.
+    # max_drop task points allow: the cost read on select_train train + dev
+    # examples, plus cost_z of its standard errors; stopping where the dev
+    # leakage is within floor_z standard errors of the attribute's floor.
     c.eval.token_merge = ml_collections.ConfigDict(
         {
             "enabled": False,
@@ -191,6 +191,7 @@ def base_config(method: str) -> ml_collections.ConfigDict:
             "candidates": 64,
             "share": 0.1,
             "select_train": 2000,
+            "cost_z": 1.0,
             "floor_z": 1.0,
         }
     )
@@ -325,12 +326,6 @@ def size_for_cpu(c: ml_collections.ConfigDict, data: str) -> None:
         # 15-minute budget). Train and dev are unchanged (each split has its
         # own random stream).
         c.data.synthetic.num_test = 3000
-        # 2,000 dev examples, not 500: the token-merge selection reads each
-        # merge's task cost on train + dev, and on 500 dev examples (with the
-        # 2,000 training examples the core has fit) those reads missed the
-        # test cost by up to 1.1 points (age, 8 tokens: 1.16 read, 2.27 on
-        # test; docs/efficacy.md, "Stop 30"). Training does not read dev.
-        c.data.synthetic.num_dev = 2000
 
 
 def set_paper_scale(c: ml_collections.ConfigDict, data: str) -> None:

@@ -281,3 +281,32 @@ def test_represent_merged_encodes_only_the_examples_holding_merged_tokens(model)
     assert np.all(split.input_ids[holding, 1] == 20)
     kept = np.setdiff1d(np.arange(len(split)), holding)
     np.testing.assert_array_equal(out[kept], base[kept])
+
+
+def test_paired_drop_and_its_standard_error():
+    before = np.array([1, 1, 1, 0], bool)
+    after = np.array([0, 1, 1, 1], bool)  # one lost, one gained
+    cost, se = token_merge.paired_drop(before, after)
+    assert cost == 0.0
+    assert se == pytest.approx(100 * np.sqrt(0.5 / 4))
+    cost, se = token_merge.paired_drop(before, before)
+    assert (cost, se) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="No examples"):
+        token_merge.paired_drop(np.zeros(0), np.zeros(0))
+
+
+def test_choose_count_counts_the_reads_noise_against_the_budget():
+    ranked = [10, 11, 12]
+    reads = {1: (0.5, 0.1), 2: (1.0, 0.2), 3: (1.2, 0.5)}
+
+    def drop(ids):
+        return reads[len(ids)]
+
+    k, read = token_merge.choose_count(ranked, drop, 1.5)
+    assert k == 3 and read[-1]["bound"] == pytest.approx(1.2)
+    k, read = token_merge.choose_count(ranked, drop, 1.5, cost_z=1.0)
+    assert k == 2  # 1.2 + 0.5 > 1.5
+    assert [r["bound"] for r in read] == pytest.approx([0.6, 1.2, 1.7])
+    assert [r["se"] for r in read] == [0.1, 0.2, 0.5]
+    with pytest.raises(ValueError, match="cost_z"):
+        token_merge.choose_count(ranked, drop, 1.5, cost_z=-1.0)

@@ -142,15 +142,27 @@ def balanced_accuracy_se(accuracy: float, labels: Sequence[int]) -> float:
     return float(np.sqrt(np.sum(a * (1.0 - a) / counts)) / counts.size)
 
 
+def paired_drop(before: np.ndarray, after: np.ndarray) -> tuple[float, float]:
+    """Accuracy points lost from ``before`` to ``after`` (per-example
+    correctness of the same examples) and the standard error of that paired
+    difference: the mean of ``d_i = before_i - after_i`` in {-1, 0, 1} and
+    ``sqrt(var(d) / n)``, in points."""
+    d = np.asarray(before, np.float64) - np.asarray(after, np.float64)
+    if d.size == 0:
+        raise ValueError("No examples to read a task cost on.")
+    return 100.0 * float(d.mean()), 100.0 * float(np.sqrt(d.var() / d.size))
+
+
 def choose_count(
     ranked: Sequence[int],
-    task_drop: Callable[[np.ndarray], float],
+    task_drop: Callable[[np.ndarray], float | tuple[float, float]],
     max_drop: float,
     counts: Sequence[int] | None = None,
     *,
     leakage: Callable[[np.ndarray], float] | None = None,
     floor: float | None = None,
     tolerance: float = 0.0,
+    cost_z: float = 0.0,
 ) -> tuple[int, list[dict]]:
     """How long a prefix of ``ranked`` to merge within a task budget.
 
@@ -165,6 +177,12 @@ def choose_count(
     in floating point) is chosen. Picking the largest raw cost within budget
     instead favours sizes whose cost was read low by chance.
 
+    ``task_drop`` may also return ``(cost, standard error)``; then a size
+    is within budget when its fitted cost plus ``cost_z`` standard errors
+    is (the read's own noise counted against the budget: on README command
+    1's runs a cost read on 2,500 examples missed the 3,000-example test
+    cost by up to 1.1 points, docs/efficacy.md "Stop 30").
+
     With ``leakage`` (the attribute's leakage after merging ``ids``, read by
     a probe on a held-out split) and ``floor`` (what the task label alone
     gives there), the scan stops at the first size within budget whose
@@ -176,8 +194,9 @@ def choose_count(
     the floor on that split.
 
     Returns the chosen size (0 when none is within budget) and one record
-    per size read: ``{"size", "cost", "fitted"}`` plus ``"leakage"`` where
-    it was probed.
+    per size read: ``{"size", "cost", "fitted"}`` (with a standard error,
+    ``"se"`` and ``"bound"`` = fitted + ``cost_z`` se) plus ``"leakage"``
+    where it was probed.
     """
     if (leakage is None) != (floor is None):
         raise ValueError("Pass leakage and floor together, or neither.")
@@ -187,16 +206,22 @@ def choose_count(
         raise ValueError(f"counts must be strictly ascending; got {sizes}.")
     if sizes and (sizes[0] < 1 or sizes[-1] > n):
         raise ValueError(f"counts must lie in [1, {n}]; got {sizes}.")
+    if not cost_z >= 0:
+        raise ValueError(f"cost_z must be >= 0 standard errors; got {cost_z}.")
     ranked = np.asarray(ranked, np.int64)
-    costs = [float(task_drop(ranked[:k])) for k in sizes]
+    reads = [task_drop(ranked[:k]) for k in sizes]
+    costs = [float(r[0]) if isinstance(r, tuple) else float(r) for r in reads]
     fitted = monotone_fit(costs) if sizes else np.zeros(0)
-    read = [
-        {"size": k, "cost": c, "fitted": float(f)}
-        for k, c, f in zip(sizes, costs, fitted, strict=True)
-    ]
+    read = []
+    for k, r, c, f in zip(sizes, reads, costs, fitted, strict=True):
+        rec = {"size": k, "cost": c, "fitted": float(f)}
+        if isinstance(r, tuple):
+            rec["se"] = float(r[1])
+            rec["bound"] = float(f) + cost_z * float(r[1])
+        read.append(rec)
     chosen = 0
     for rec in read:
-        if rec["fitted"] > max_drop + 1e-9:
+        if rec.get("bound", rec["fitted"]) > max_drop + 1e-9:
             break
         chosen = rec["size"]
         if leakage is not None:
@@ -297,6 +322,7 @@ def build_merges(
     share: float = 0.1,
     select_train: int = 2000,
     floor_stop: bool = True,
+    cost_z: float = 1.0,
     floor_z: float = 1.0,
     leakage_probe: Callable[..., float] | None = None,
     info: Mapping[str, Any] | None = None,
@@ -308,10 +334,12 @@ def build_merges(
     at most ``candidates``, each at least ``share`` of the best), reads the
     task cost of merging each prefix of the ranking in :data:`COUNTS` (the
     run's own head through ``predict``; accuracy points lost on the first
-    ``select_train`` training examples and the dev split, pooled) and
-    chooses the prefix with :func:`choose_count`: the longest within
-    ``max_drop`` points, stopping (``floor_stop``) at the first whose dev
-    leakage (``leakage_probe(h_train, y_train, h_dev, y_dev, num_classes)``,
+    ``select_train`` training examples and the dev split, pooled, with the
+    standard error of that paired difference) and chooses the prefix with
+    :func:`choose_count`: the longest whose fitted cost plus ``cost_z``
+    standard errors is within ``max_drop`` points, stopping
+    (``floor_stop``) at the first whose dev leakage
+    (``leakage_probe(h_train, y_train, h_dev, y_dev, num_classes)``,
     default a fresh class-balanced logistic regression on the standardized
     representations, fit on the same training examples) is within
     ``floor_z`` standard errors of the attribute's dev floor.
@@ -323,8 +351,8 @@ def build_merges(
       attributes: ``{name: number of classes}``.
       represent: ``represent(params, split)`` -> [N, H] representations.
       predict: the task head's predicted class for [N, H] representations.
-      max_drop, candidates, share, select_train, floor_stop, floor_z: as
-        above.
+      max_drop, candidates, share, select_train, floor_stop, cost_z,
+        floor_z: as above.
       leakage_probe: the dev probe (see above).
       info: extra fields stored in each diff's info.
 
@@ -337,6 +365,8 @@ def build_merges(
 
     if max_drop < 0:
         raise ValueError(f"max_drop must be >= 0 task points; got {max_drop}.")
+    if not cost_z >= 0:
+        raise ValueError(f"cost_z must be >= 0 standard errors; got {cost_z}.")
     if select_train < 1:
         raise ValueError(f"select_train must be >= 1; got {select_train}.")
     if not floor_z >= 0:
@@ -351,17 +381,18 @@ def build_merges(
     core_h = represent(core, select), represent(core, dev_split)
 
     def measure(params, ids):
-        """Task accuracy pooled over the selection examples, and their
-        train and dev representations, with the word rows of ``ids`` merged
-        (only the examples holding them are encoded again)."""
+        """Which selection examples (train and dev, pooled) the task head
+        gets right, and their train and dev representations, with the word
+        rows of ``ids`` merged (only the examples holding them are encoded
+        again)."""
         h_tr, h_dev = (
             represent_merged(represent, params, split, base, ids)
             for split, base in zip((select, dev_split), core_h, strict=True)
         )
         pred = np.concatenate([predict(h_tr), predict(h_dev)])
-        return float(np.mean(pred == pooled_task)), h_tr, h_dev
+        return pred == pooled_task, h_tr, h_dev
 
-    core_acc = measure(core, [])[0]
+    core_right = measure(core, [])[0]
     num_task = int(max(np.max(select.task), np.max(dev_split.task))) + 1
     out = {}
     for attr, num_classes in attributes.items():
@@ -389,8 +420,8 @@ def build_merges(
                 t = table.copy()
                 t[ids] = target
                 params = selection.unflatten({**flat_core, WORD_TABLE: t})
-                acc, h_tr, h_dev = measure(params, ids)
-                cache[len(ids)] = (100.0 * (core_acc - acc), h_tr, h_dev)
+                right, h_tr, h_dev = measure(params, ids)
+                cache[len(ids)] = (paired_drop(core_right, right), h_tr, h_dev)
             return cache[len(ids)]
 
         def leak(ids, reading=reading, y_tr=y_tr, y_dev=y_dev, c=num_classes):
@@ -404,6 +435,7 @@ def build_merges(
             lambda ids, reading=reading: reading(ids)[0],
             max_drop,
             counts,
+            cost_z=cost_z,
             **(stop if floor_stop else {}),
         )
         diff = None
