@@ -96,8 +96,11 @@ def test_token_merge_rows(run):
         diff = diff_files.load_sparse_diff(run / "token_merge" / f"{attr}.safetensors")
         assert diff.info["method"] == "token_merge"
         assert len(diff.info["tokens"]) == merge["merged"]
+        chosen = [r for r in merge["read"] if r["size"] == merge["merged"]][0]
+        assert chosen["bound"] == pytest.approx(chosen["fitted"] + chosen["se"])
     report = (run / "eval" / "report.md").read_text()
     assert "core+merge(gender)+merge(age)" in report
+    assert "task cost read on train + dev" in report
 
 
 def test_diff_from_another_base_is_refused(run, tmp_path):

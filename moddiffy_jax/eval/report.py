@@ -147,10 +147,17 @@ def _token_merge_lines(merges: Mapping[str, Any]) -> list[str]:
     ]
     for attr, m in merges.items():
         tokens = ", ".join(str(t) for t in m["tokens"]) or "none within budget"
-        lines.append(
+        line = (
             f"- {attr}: {m['merged']} of {m['candidates']} candidates ({tokens}); "
             f"dev floor {m['dev_floor']:.3f}"
         )
+        chosen = [r for r in m.get("read", []) if r.get("size") == m["merged"]]
+        if chosen and "se" in chosen[0]:
+            line += (
+                f"; task cost read on train + dev {chosen[0]['cost']:.2f} "
+                f"± {chosen[0]['se']:.2f} points"
+            )
+        lines.append(line)
     return lines
 
 
