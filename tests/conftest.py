@@ -39,10 +39,10 @@ def tokenizer():
 
 
 # The longest modules first: with whole modules per worker (pyproject's
-# addopts), a long module collected last would run alone at the end. (xdist's
-# loadfile scheduler queues modules by test count unless given
-# --no-loadscope-reorder; both orders measured the same within the host's
-# noise in stop 21, BENCHMARKS.md.)
+# addopts), a long module collected last would run alone at the end. xdist's
+# loadfile scheduler would queue modules by test count instead; pyproject's
+# --no-loadscope-reorder keeps this order (stop 30: by test count, the
+# one-test modules test_notebook and test_removal ran last, alone).
 _LONG_MODULES = (
     "test_par_runs.py",
     "test_train.py",
