@@ -378,7 +378,7 @@ def evaluate_run(
       token_merge: if given, build a token-merge diff per attribute on the
         core (:func:`moddiffy_jax.methods.token_merge.build_merges`, these
         keyword arguments: ``max_drop``, ``candidates``, ``share``,
-        ``select_train``, ``floor_z``), write each to
+        ``select_train``, ``cost_z``, ``floor_z``), write each to
         ``workdir/token_merge/<attribute>.safetensors`` and add the rows
         ``core+merge(<attribute>)`` and, for several, all merges together.
 

@@ -181,7 +181,7 @@ def choose_count(
     is within budget when its fitted cost plus ``cost_z`` standard errors
     is (the read's own noise counted against the budget: on README command
     1's runs a cost read on 2,500 examples missed the 3,000-example test
-    cost by up to 1.1 points, docs/efficacy.md "Stop 30").
+    cost by up to 1.5 points, docs/efficacy.md "Stop 30").
 
     With ``leakage`` (the attribute's leakage after merging ``ids``, read by
     a probe on a held-out split) and ``floor`` (what the task label alone
