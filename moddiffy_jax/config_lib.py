@@ -195,6 +195,21 @@ def base_config(method: str) -> ml_collections.ConfigDict:
             "floor_z": 1.0,
         }
     )
+    # Diff weights chosen after training (methods/strength.py): each
+    # attribute diff is added with the largest weight in (1, up) whose task
+    # cost, read on select_train train + dev examples plus cost_z standard
+    # errors, stays within max_drop points, stopping once the dev leakage is
+    # within floor_z standard errors of the floor (below 1 when weight 1
+    # already costs more); the composition matrix uses those weights.
+    c.eval.strength = ml_collections.ConfigDict(
+        {
+            "enabled": False,
+            "max_drop": 1.5,
+            "select_train": 2000,
+            "cost_z": 1.0,
+            "floor_z": 1.0,
+        }
+    )
     # With train.eval_every: fresh linear probes (class-balanced, fit on the
     # first probe_max_train train rows) measure dev leakage of the core and
     # each diff during training, at phase ends and right after the cut.

@@ -60,6 +60,19 @@ flags.DEFINE_float(
     flag_values=FLAGS,
 )
 flags.DEFINE_bool(
+    "strength",
+    False,
+    "Choose each attribute diff's weight on train and dev "
+    "(moddiffy_jax.methods.strength) and evaluate with it.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_float(
+    "strength_max_drop",
+    1.5,
+    "Task points a diff's weight may cost (read on train and dev).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_bool(
     "linear", True, "Add a linear probe to every entry.", flag_values=FLAGS
 )
 flags.DEFINE_bool(
@@ -129,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             allow_changed_inputs=FLAGS.allow_changed_inputs,
             token_merge=(
                 {"max_drop": FLAGS.token_merge_max_drop} if FLAGS.token_merge else None
+            ),
+            strength=(
+                {"max_drop": FLAGS.strength_max_drop} if FLAGS.strength else None
             ),
         )
     except (FileNotFoundError, ValueError) as e:

@@ -392,10 +392,11 @@ def _stop_reason(config, global_step: int) -> str | None:
     return f"{signal_name} received" if signal_name else None
 
 
-def token_merge_options(config) -> dict[str, Any] | None:
-    """``config.eval.token_merge`` as ``evaluate_run``'s keyword arguments
-    (None when off, or for a config without the section)."""
-    section = config.eval.get("token_merge")
+def token_merge_options(config, name: str = "token_merge") -> dict[str, Any] | None:
+    """``config.eval.<name>`` (``token_merge`` or ``strength``) as
+    ``evaluate_run``'s keyword arguments (None when off, or for a config
+    without the section)."""
+    section = config.eval.get(name)
     if section is None or not section.enabled:
         return None
     return {k: v for k, v in section.items() if k != "enabled"}
@@ -417,6 +418,7 @@ def _leakage(config, workdir: Path, results: dict, attributes) -> dict[str, Any]
         inlp=config.eval.inlp,
         verify_inputs=False,  # checked when this run started
         token_merge=token_merge_options(config),
+        strength=token_merge_options(config, "strength"),
     )
     for label, row in evaluation["composition"].items():
         if label not in results["composition"]:  # INLP and token-merge rows

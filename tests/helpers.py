@@ -3,9 +3,12 @@
 import json
 import os
 
+import numpy as np
+
 from moddiffy_jax import checkpoints
 from moddiffy_jax.config_lib import experiment_config
-from moddiffy_jax.subnets import diffs
+from moddiffy_jax.methods.word_rows import WORD_TABLE
+from moddiffy_jax.subnets import diffs, selection
 
 
 def tiny(method, arg="", **overrides):
@@ -67,3 +70,30 @@ def check_run(workdir, results, method):
         for value in row.values():
             assert 0.0 <= value <= 1.0
     return core
+
+
+def planted_split(n, seed):
+    """Each example: one task token (10 / 11), one attribute token (20 / 21,
+    independent of the task) and three filler tokens (30-39)."""
+    from moddiffy_jax.data.dataset import TokenizedSplit
+
+    rng = np.random.default_rng(seed)
+    task = rng.integers(0, 2, n).astype(np.int32)
+    attr = rng.integers(0, 2, n).astype(np.int32)
+    ids = np.concatenate(
+        [(10 + task)[:, None], (20 + attr)[:, None], rng.integers(30, 40, (n, 3))],
+        axis=1,
+    ).astype(np.int32)
+    return TokenizedSplit(
+        input_ids=ids,
+        attention_mask=np.ones_like(ids),
+        token_type_ids=np.zeros_like(ids),
+        task=task,
+        attrs={"a": attr},
+    )
+
+
+def bag_of_rows(params, split):
+    """A stand-in encoder: the mean of the examples' word rows."""
+    table = np.asarray(selection.flatten(params)[WORD_TABLE])
+    return table[split.input_ids].mean(1)

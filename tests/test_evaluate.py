@@ -103,6 +103,31 @@ def test_token_merge_rows(run):
     assert "task cost read on train + dev" in report
 
 
+def test_strength_rows(run):
+    results = composition.evaluate_run(
+        run,
+        probe_config=FAST_PROBES,
+        max_subset_size=1,
+        inlp=False,
+        linear=False,
+        weights={"age": 1.0},
+        strength={"max_drop": 100.0, "select_train": 200, "up": (2.0,)},
+    )
+    # Any weight is within a 100-point budget: gender goes up to 2 unless its
+    # dev leakage reaches the floor at weight 1; age keeps the given weight.
+    gender = results["strength"]["gender"]
+    assert "age" not in results["strength"]
+    assert [r["scale"] for r in gender["read"]] in ([1.0], [1.0, 2.0])
+    label = "core+gender" if gender["scale"] == 1.0 else "core+2*gender"
+    assert list(results["composition"]) == ["core", label, "core+age"]
+    assert results["weights"] == {"age": 1.0, "gender": gender["scale"]}
+    for r in gender["read"]:
+        assert r["bound"] == pytest.approx(r["cost"] + r["se"])
+        assert 0.0 <= r["leakage"] <= 1.0
+    report = (run / "eval" / "report.md").read_text()
+    assert "- gender: weight " in report
+
+
 def test_diff_from_another_base_is_refused(run, tmp_path):
     """Diffs checked against a core that is not the one they were trained on."""
     import jax

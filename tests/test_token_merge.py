@@ -9,6 +9,8 @@ from moddiffy_jax.methods.word_rows import WORD_TABLE
 from moddiffy_jax.models import bert
 from moddiffy_jax.subnets import diff_files, selection
 from moddiffy_jax.subnets import sparse_diff as sparse_lib
+from tests.helpers import bag_of_rows as _bag_of_rows
+from tests.helpers import planted_split as _planted_split
 
 VOCAB = 40
 
@@ -185,33 +187,6 @@ def test_build_merges_refuses_a_negative_floor_z():
         token_merge.build_merges(
             None, None, None, {}, lambda p, s: None, None, floor_z=-1.0
         )
-
-
-def _planted_split(n, seed):
-    """Each example: one task token (10 / 11), one attribute token (20 / 21,
-    independent of the task) and three filler tokens (30-39)."""
-    from moddiffy_jax.data.dataset import TokenizedSplit
-
-    rng = np.random.default_rng(seed)
-    task = rng.integers(0, 2, n).astype(np.int32)
-    attr = rng.integers(0, 2, n).astype(np.int32)
-    ids = np.concatenate(
-        [(10 + task)[:, None], (20 + attr)[:, None], rng.integers(30, 40, (n, 3))],
-        axis=1,
-    ).astype(np.int32)
-    return TokenizedSplit(
-        input_ids=ids,
-        attention_mask=np.ones_like(ids),
-        token_type_ids=np.zeros_like(ids),
-        task=task,
-        attrs={"a": attr},
-    )
-
-
-def _bag_of_rows(params, split):
-    """A stand-in encoder: the mean of the examples' word rows."""
-    table = np.asarray(selection.flatten(params)[WORD_TABLE])
-    return table[split.input_ids].mean(1)
 
 
 @pytest.mark.parametrize("task_reads_attr_rows", [False, True])

@@ -360,6 +360,7 @@ def evaluate_run(
     allow_changed_inputs: bool = False,
     verify_inputs: bool = True,
     token_merge: Mapping[str, Any] | None = None,
+    strength: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Evaluates the composition matrix of a finished run; see the module doc.
 
@@ -381,6 +382,12 @@ def evaluate_run(
         ``select_train``, ``cost_z``, ``floor_z``), write each to
         ``workdir/token_merge/<attribute>.safetensors`` and add the rows
         ``core+merge(<attribute>)`` and, for several, all merges together.
+      strength: if given, choose the weight each attribute's diff is added
+        with on train and dev (:func:`moddiffy_jax.methods.strength.calibrate`,
+        these keyword arguments: ``max_drop``, ``select_train``, ``cost_z``,
+        ``floor_z``, ``floor_stop``, ``up``, ``down``) and evaluate every
+        composition with those weights (rows ``core+1.5*gender``); a diff
+        given a weight in ``weights`` keeps it.
 
     Returns:
       The results (also written to ``workdir/eval/results.json``).
@@ -426,6 +433,9 @@ def evaluate_run(
     names = [a for a in ctx.attributes if a in art.diffs]
     names += [n for n in art.attribute_diffs if n not in names]
     ood_sets = load_run_ood_sets(config, ctx.data.task_classes)
+    strengths = {}
+    if strength is not None and ctx.attributes:
+        strengths = _calibrate(ctx, evaluator, rep, art, names, weights, strength)
     rows: dict[str, Any] = {}
     core_reps = core_ood_reps = None
     for label, subset, params in compositions(
@@ -529,6 +539,7 @@ def evaluate_run(
         },
         "composition": rows,
         **({"token_merge": merges} if merges else {}),
+        **({"strength": strengths} if strengths else {}),
         "floors": leakage_floors(ctx) if ctx.attributes else {},
         "wall_time_s": time.time() - start,
     }
@@ -536,6 +547,39 @@ def evaluate_run(
     checkpoints.write_json_atomic(out_dir / "results.json", _jsonable(results))
     (out_dir / "report.md").write_text(format_report(results))
     return results
+
+
+def _calibrate(ctx, evaluator, rep, art, names, weights, options) -> dict[str, Any]:
+    """Each attribute diff's weight (:mod:`moddiffy_jax.methods.strength`),
+    set in ``weights`` unless the caller gave one; returns the choices'
+    summaries."""
+    from moddiffy_jax.methods import strength as strength_lib
+
+    out = {}
+    for name in names:
+        if name not in ctx.attributes or name in weights:
+            continue
+        choice = strength_lib.calibrate(
+            art.core,
+            art.diffs[name],
+            name,
+            len(ctx.data.attr_classes[name]),
+            ctx.data.splits["train"],
+            ctx.data.splits["dev"],
+            lambda core, diff, scale: evaluator.compose(core, [diff], [scale]),
+            rep.represent_split,
+            lambda h: rep.predict(art.head, h),
+            **dict(options),
+        )
+        weights[name] = choice.scale
+        out[name] = choice.summary()
+        logging.info(
+            "strength %s: weight %g (%s)",
+            name,
+            choice.scale,
+            ", ".join(f"{r['scale']:g}: {r['cost']:.2f} pts" for r in choice.read),
+        )
+    return out
 
 
 def _merge_rows(

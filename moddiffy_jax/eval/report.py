@@ -123,6 +123,7 @@ def format_report(results: Mapping[str, Any]) -> str:
                 cells += [_fmt(floors[a][what]), _fmt(floors[a][what]), ""]
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", _floor_note()] + _gap_closed_lines(rows, attrs, floors)
+    lines += _strength_lines(results.get("strength") or {})
     lines += _token_merge_lines(results.get("token_merge") or {})
     lines += _ood_detail_tables(rows, ood_names)
     notes = sorted(
@@ -131,6 +132,30 @@ def format_report(results: Mapping[str, Any]) -> str:
     if notes:
         lines += ["", "Notes:"] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
+
+
+def _strength_lines(strengths: Mapping[str, Any]) -> list[str]:
+    """The weight each diff was added with, and the reads that chose it."""
+    if not strengths:
+        return []
+    lines = [
+        "",
+        "Diff weights, chosen on train + dev (`methods/strength.py`: the "
+        "largest weight whose task cost stays within the budget, stopping once "
+        "the dev leakage reaches the floor; `w*<attribute>` rows add the diff "
+        "with weight w):",
+        "",
+    ]
+    for attr, s in strengths.items():
+        reads = "; ".join(
+            f"{r['scale']:g}: {r['cost']:.2f} ± {r['se']:.2f} pts"
+            + (f", dev leakage {r['leakage']:.3f}" if "leakage" in r else "")
+            for r in s["read"]
+        )
+        lines.append(
+            f"- {attr}: weight {s['scale']:g} (dev floor {s['floor']:.3f}; {reads})"
+        )
+    return lines
 
 
 def _token_merge_lines(merges: Mapping[str, Any]) -> list[str]:
