@@ -14,7 +14,13 @@ from moddiffy_jax.eval import probes
 H = 8
 # Small and fast: 10 epochs of 8 batches, 3 members, 3 seeds.
 CONFIG = probes.ProbeConfig(
-    members=3, lr=3e-3, batch_size=32, max_epochs=10, patience=3, eval_batch_size=128
+    members=3,
+    lr=3e-3,
+    batch_size=32,
+    max_epochs=10,
+    patience=3,
+    eval_batch_size=128,
+    test_curves=True,
 )
 
 
@@ -116,6 +122,38 @@ def test_probe_on_separable_data(separable):
         )
     # Training reduces the loss.
     assert np.all(r.history["train_loss"][:, -1] < r.history["train_loss"][:, 0])
+
+
+@pytest.mark.parametrize("patience", [None, 1, 3])
+def test_reading_test_once_gives_the_per_epoch_result(patience):
+    """Without test curves the program keeps each seed's members at the
+    early-stopping epoch and reads the test split once: the same numbers."""
+    data = _splits(0.0, 3)  # no signal: the dev loss soon stops improving
+    config = dataclasses.replace(CONFIG, patience=patience)
+    curves = probes.train_probe_ensemble(*data, num_classes=2, config=config)
+    once = probes.train_probe_ensemble(
+        *data, num_classes=2, config=dataclasses.replace(config, test_curves=False)
+    )
+    assert "test_loss" not in once.history and "test_loss" in curves.history
+    for field in (
+        "best_epoch",
+        "stop_epoch",
+        "best_member",
+        "test_balanced_accuracy",
+        "test_accuracy",
+        "dev_balanced_accuracy",
+        "member_test_balanced_accuracy",
+        "best_member_test_balanced_accuracy",
+    ):
+        np.testing.assert_allclose(
+            getattr(once, field), getattr(curves, field), rtol=1e-6, err_msg=field
+        )
+    for i, curve in enumerate(curves.history["dev_loss"].mean(-1)):
+        assert (once.best_epoch[i], once.stop_epoch[i]) == probes.select_best_epoch(
+            curve, patience=patience
+        )
+    if patience == 1:  # the case is not trivial: some seed stopped early
+        assert np.any(once.stop_epoch < CONFIG.max_epochs - 1)
 
 
 def test_seeds_differ_and_summary(separable):
