@@ -100,3 +100,22 @@ def test_calibrate_finds_the_weight_that_closes_a_shrunk_difference():
     assert choice.read[-1]["leakage"] <= choice.floor + choice.tolerance
     assert all(r["cost"] == 0.0 for r in choice.read)
     assert choice.summary()["scale"] == 2.5
+
+
+def test_config_sections_become_evaluate_run_options():
+    from moddiffy_jax import train
+    from moddiffy_jax.config_lib import experiment_config
+
+    config = experiment_config("moddiffy_par", "model=tiny")
+    assert train.token_merge_options(config, "strength") is None  # off by default
+    with config.unlocked():
+        config.eval.strength.enabled = True
+        config.eval.strength.max_drop = 1.0
+    options = train.token_merge_options(config, "strength")
+    assert options == {
+        "max_drop": 1.0,
+        "select_train": 2000,
+        "cost_z": 1.0,
+        "floor_z": 1.0,
+    }
+    assert set(options) <= set(strength.calibrate.__kwdefaults__)
