@@ -126,10 +126,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    try:  # the run's own early-stopping subset, as its report had it
+        max_dev = composition.load_run_config(FLAGS.workdir).eval.get("probe_max_dev")
+    except (FileNotFoundError, ValueError, AttributeError):
+        max_dev = None  # evaluate_run says what is wrong with the run
     config = probes.ProbeConfig(
         seeds=tuple(int(s) for s in FLAGS.seeds),
         max_epochs=FLAGS.max_epochs,
         whiten=FLAGS.whiten,
+        max_dev=max_dev,
     )
     try:
         results = composition.evaluate_run(

@@ -410,6 +410,7 @@ def _leakage(config, workdir: Path, results: dict, attributes) -> dict[str, Any]
     probe_config = probes.ProbeConfig(
         seeds=tuple(config.eval.probe_seeds),
         max_epochs=config.eval.probe_epochs,
+        max_dev=config.eval.get("probe_max_dev"),
         whiten=config.eval.get("probe_whiten", True),
     )
     evaluation = composition.evaluate_run(

@@ -341,3 +341,34 @@ def test_the_whitener_maps_train_to_unit_covariance():
     np.testing.assert_allclose(cov, np.eye(6), atol=1e-3)
     with pytest.raises(ValueError, match="whiten_ridge must be > 0"):
         probes.ProbeConfig(whiten_ridge=0.0)
+
+
+def test_max_dev_stops_early_on_a_fixed_subset_of_dev():
+    train_h, train_y, dev_h, dev_y, test_h, test_y = _splits(1.0, 4)
+    sub_h, sub_y = probes.dev_subset(dev_h, dev_y, 100)
+    assert sub_h.shape == (100, H) and sub_y.shape == (100,)
+    again_h, _ = probes.dev_subset(dev_h, dev_y, 100)
+    np.testing.assert_array_equal(sub_h, again_h)  # the same subset each call
+    rows = [int(np.flatnonzero((dev_h == r).all(1))[0]) for r in sub_h]
+    assert rows == sorted(rows) and len(set(rows)) == 100  # dev order, no repeats
+    assert probes.dev_subset(dev_h, dev_y, 1000)[0] is dev_h  # nothing to cut
+    config = dataclasses.replace(CONFIG, test_curves=False)
+    capped = probes.train_probe_ensemble(
+        train_h,
+        train_y,
+        dev_h,
+        dev_y,
+        test_h,
+        test_y,
+        num_classes=2,
+        config=dataclasses.replace(config, max_dev=100),
+    )
+    by_hand = probes.train_probe_ensemble(
+        train_h, train_y, sub_h, sub_y, test_h, test_y, num_classes=2, config=config
+    )
+    np.testing.assert_array_equal(capped.best_epoch, by_hand.best_epoch)
+    np.testing.assert_allclose(
+        capped.test_balanced_accuracy, by_hand.test_balanced_accuracy
+    )
+    with pytest.raises(ValueError, match="max_dev"):
+        probes.ProbeConfig(max_dev=0)

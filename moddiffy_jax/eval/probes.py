@@ -75,6 +75,7 @@ __all__ = [
     "ProbeResult",
     "fit_logistic_regression",
     "linear_probe",
+    "dev_subset",
     "select_best_epoch",
     "standardizer",
     "train_probe_ensemble",
@@ -106,6 +107,11 @@ class ProbeConfig:
         covariance (:func:`probe_inputs.whitener`; in place of
         ``standardize``): leakage invariant to any invertible linear map.
       whiten_ridge: The whitening's ridge, times the mean eigenvalue.
+      max_dev: Early stopping reads at most this many dev examples (a
+        fixed random subset, the same for every call with the same dev
+        size; None: all). Lets a large dev split serve other choices (e.g.
+        the token-merge and diff-weight selections) without making every
+        attacker epoch read all of it.
       test_curves: Read the test split after every epoch and keep those
         curves in ``ProbeResult.history`` (the same result, about a third
         slower); off, it is read once with the kept epoch's members.
@@ -125,6 +131,7 @@ class ProbeConfig:
     standardize: bool = True
     whiten: bool = True
     whiten_ridge: float = 0.01
+    max_dev: int | None = None
     test_curves: bool = False
 
     def __post_init__(self):
@@ -137,6 +144,8 @@ class ProbeConfig:
                 f"whiten_ridge must be > 0 (keeps the covariance invertible), "
                 f"got {self.whiten_ridge}."
             )
+        if self.max_dev is not None and self.max_dev < 1:
+            raise ValueError(f"max_dev must be >= 1 or None, got {self.max_dev}.")
         if self.patience is not None and self.patience < 1:
             raise ValueError(f"patience must be >= 1 or None, got {self.patience}.")
 
@@ -527,6 +536,7 @@ def train_probe_ensemble(
       ValueError: On malformed inputs, empty splits, or a train split with a
         single class.
     """
+    dev_h, dev_y = dev_subset(dev_h, dev_y, config.max_dev)
     splits, notes = probe_inputs.check_splits(
         {"train": (train_h, train_y), "dev": (dev_h, dev_y), "test": (test_h, test_y)},
         num_classes,
@@ -558,6 +568,19 @@ def train_probe_ensemble(
         _probe_program(seeds, data, config=static, num_classes=num_classes)
     )
     return _summarise(history, seeds, config, notes)
+
+
+def dev_subset(dev_h, dev_y, max_dev: int | None):
+    """At most ``max_dev`` dev examples: a fixed random subset in dev order
+    (seeded by nothing but the two sizes, so repeated calls agree and rows
+    evaluated apart read the same examples)."""
+    n = len(dev_y)
+    if max_dev is None or n <= max_dev:
+        return dev_h, dev_y
+    keep = np.sort(
+        np.random.default_rng([n, max_dev]).choice(n, max_dev, replace=False)
+    )
+    return np.asarray(dev_h)[keep], np.asarray(dev_y)[keep]
 
 
 def _summarise(history, seeds, config: ProbeConfig, notes) -> ProbeResult:
