@@ -344,7 +344,8 @@ def test_the_whitener_maps_train_to_unit_covariance():
 
 
 def test_max_dev_stops_early_on_a_fixed_subset_of_dev():
-    train_h, train_y, dev_h, dev_y, test_h, test_y = _splits(1.0, 4)
+    data = _splits(1.0, 4)
+    train_h, train_y, dev_h, dev_y, test_h, test_y = data
     sub_h, sub_y = probes.dev_subset(dev_h, dev_y, 100)
     assert sub_h.shape == (100, H) and sub_y.shape == (100,)
     again_h, _ = probes.dev_subset(dev_h, dev_y, 100)
@@ -354,14 +355,7 @@ def test_max_dev_stops_early_on_a_fixed_subset_of_dev():
     assert probes.dev_subset(dev_h, dev_y, 1000)[0] is dev_h  # nothing to cut
     config = dataclasses.replace(CONFIG, test_curves=False)
     capped = probes.train_probe_ensemble(
-        train_h,
-        train_y,
-        dev_h,
-        dev_y,
-        test_h,
-        test_y,
-        num_classes=2,
-        config=dataclasses.replace(config, max_dev=100),
+        *data, num_classes=2, config=dataclasses.replace(config, max_dev=100)
     )
     by_hand = probes.train_probe_ensemble(
         train_h, train_y, sub_h, sub_y, test_h, test_y, num_classes=2, config=config

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from moddiffy_jax.methods.token_merge import balanced_accuracy_se, paired_drop
+from moddiffy_jax.methods.token_merge import paired_drop
 
 # Weights read above 1 (ascending) and below it (descending).
 UP = (1.25, 1.5, 2.0, 2.5, 3.0)
@@ -199,8 +199,7 @@ def calibrate(
         standardized representations).
     """
     from moddiffy_jax.data import subset_split
-    from moddiffy_jax.eval import removal
-    from moddiffy_jax.methods.token_merge import _default_leakage
+    from moddiffy_jax.methods.token_merge import _default_leakage, dev_floor
 
     if select_train < 1:
         raise ValueError(f"select_train must be >= 1; got {select_train}.")
@@ -214,16 +213,7 @@ def calibrate(
         task = np.concatenate([np.asarray(select.task), task])
     y_tr = np.asarray(select.attrs[attribute])
     y_dev = np.asarray(dev_split.attrs[attribute])
-    num_task = int(max(np.max(select.task), np.max(dev_split.task))) + 1
-    floor = removal.leakage_floor(
-        np.asarray(select.task),
-        y_tr,
-        np.asarray(dev_split.task),
-        y_dev,
-        num_task_classes=num_task,
-        num_attr_classes=int(num_classes),
-    )
-    tolerance = floor_z * balanced_accuracy_se(floor, y_dev)
+    floor, tolerance = dev_floor(select, dev_split, attribute, num_classes, floor_z)
 
     def right(params) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         h_tr, h_dev = represent(params, select), represent(params, dev_split)

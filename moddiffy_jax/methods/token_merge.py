@@ -299,6 +299,27 @@ def represent_merged(
     return out
 
 
+def dev_floor(
+    train_split: Any, dev_split: Any, attribute: str, num_classes: int, floor_z: float
+) -> tuple[float, float]:
+    """The attribute's leakage floor on dev (the task-label rule fit on
+    ``train_split``) and ``floor_z`` standard errors of a balanced accuracy
+    read there: how close to the floor a dev probe must come to stop."""
+    from moddiffy_jax.eval import removal
+
+    task_tr, task_dev = np.asarray(train_split.task), np.asarray(dev_split.task)
+    y_dev = np.asarray(dev_split.attrs[attribute])
+    floor = removal.leakage_floor(
+        task_tr,
+        np.asarray(train_split.attrs[attribute]),
+        task_dev,
+        y_dev,
+        num_task_classes=int(max(task_tr.max(), task_dev.max())) + 1,
+        num_attr_classes=int(num_classes),
+    )
+    return floor, floor_z * balanced_accuracy_se(floor, y_dev)
+
+
 def _default_leakage(h_train, y_train, h_dev, y_dev, num_classes: int) -> float:
     from moddiffy_jax.eval import removal
 
@@ -360,7 +381,6 @@ def build_merges(
       ``{attribute: MergeChoice}``, in the order of ``attributes``.
     """
     from moddiffy_jax.data import subset_split
-    from moddiffy_jax.eval import removal
     from moddiffy_jax.methods import word_rows
 
     if max_drop < 0:
@@ -393,22 +413,13 @@ def build_merges(
         return pred == pooled_task, h_tr, h_dev
 
     core_right = measure(core, [])[0]
-    num_task = int(max(np.max(select.task), np.max(dev_split.task))) + 1
     out = {}
     for attr, num_classes in attributes.items():
         ranked = word_rows.attribute_tokens(
             train_split, [attr], candidates, share, table.shape[0]
         )[attr]
         y_tr, y_dev = np.asarray(select.attrs[attr]), np.asarray(dev_split.attrs[attr])
-        floor = removal.leakage_floor(
-            np.asarray(select.task),
-            y_tr,
-            np.asarray(dev_split.task),
-            y_dev,
-            num_task_classes=num_task,
-            num_attr_classes=int(num_classes),
-        )
-        tolerance = floor_z * balanced_accuracy_se(floor, y_dev)
+        floor, tolerance = dev_floor(select, dev_split, attr, num_classes, floor_z)
         if len(ranked) == 0:
             out[attr] = MergeChoice(attr, (), 0, floor, tolerance, [], None)
             continue
