@@ -128,6 +128,18 @@ def test_strength_rows(run):
     assert "- gender: weight " in report
 
 
+def test_strength_from_the_command_line(run, capsys):
+    from moddiffy_jax import evaluate
+
+    argv = ["--workdir", str(run), "--max_epochs=1", "--noinlp", "--nolinear"]
+    argv += ["--max_subset_size=1", "--strength", "--strength_max_drop=0"]
+    assert evaluate.main(argv) == 0
+    # No weight costs nothing on the tiny run's dev split, or the rule went
+    # down to one that does: either way each diff's weight is reported.
+    out = capsys.readouterr().out
+    assert "- gender: weight " in out and "- age: weight " in out
+
+
 def test_diff_from_another_base_is_refused(run, tmp_path):
     """Diffs checked against a core that is not the one they were trained on."""
     import jax
