@@ -29,7 +29,8 @@ its core (eval.token_merge; docs/efficacy.md, "Stop 29"): on seed 0 they
 close 0.65 / 0.86 (attacker / linear) of gender's gap at -1.1 points and
 0.83 / 0.91 of age's at -1.7. Since stop 31 the selection reads 2,000 dev
 examples: over seeds 0-2 every merge closes more than half of its gap
-under both probes within 2 points; about 13 min 20 s on a fresh clone.
+under both probes within 2 points on the default data sample (data.seed=0;
+on data.seed=1 about a third); about 13 min 20 s on a fresh clone.
 """
 
 from moddiffy_jax.config_lib import experiment_config
