@@ -215,17 +215,20 @@ def calibrate(
     y_dev = np.asarray(dev_split.attrs[attribute])
     floor, tolerance = dev_floor(select, dev_split, attribute, num_classes, floor_z)
 
-    def right(params) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        h_tr, h_dev = represent(params, select), represent(params, dev_split)
+    def right(params, probed: bool) -> tuple[np.ndarray, Any, np.ndarray]:
+        """Which cost examples the head gets right, and the representations
+        (training ones only where the cost or the leakage probe reads them)."""
+        h_dev = represent(params, dev_split)
+        h_tr = represent(params, select) if cost_on_train or probed else None
         pred = predict(h_dev)
         if cost_on_train:
             pred = np.concatenate([predict(h_tr), pred])
         return pred == task, h_tr, h_dev
 
-    core_right = right(core)[0]
+    core_right = right(core, probed=False)[0]
 
     def read(scale: float) -> Reading:
-        ok, h_tr, h_dev = right(compose(core, diff, scale))
+        ok, h_tr, h_dev = right(compose(core, diff, scale), probed=floor_stop)
         cost, se = paired_drop(core_right, ok)
         leak = probe(h_tr, y_tr, h_dev, y_dev, int(num_classes)) if floor_stop else None
         return Reading(cost, se, leak)
