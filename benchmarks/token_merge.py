@@ -38,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fresh_probe  # noqa: E402
 import sk_probes  # noqa: E402
 
+from moddiffy_jax.methods import token_merge as token_merge_lib  # noqa: E402
+
 SPLITS = ("train", "test")
 
 
@@ -90,10 +92,12 @@ def merge_run(run: Path, args) -> dict:
         share=args.share,
         select_train=args.select_train,
         floor_stop=not args.no_floor_stop,
-        leakage_probe=_probe,
+        leakage_probe=None if args.library_probe else _probe,
+        order=args.order,
+        every_size=not args.coarse_sizes,
     )
     tokenizer = text_lib.load_tokenizer_for(config.model)
-    out_dir = run / "token_merge"
+    out_dir = run / ("token_merge" + (f"_{args.tag}" if args.tag else ""))
     out_dir.mkdir(exist_ok=True)
     summary, diffs = {}, {}
     for attr, choice in choices.items():
@@ -165,6 +169,24 @@ def main() -> None:
         help="also probe the run's own diff of each attribute, alone and "
         "with that attribute's merge diff added",
     )
+    parser.add_argument(
+        "--order",
+        default="balanced",
+        choices=token_merge_lib.ORDERS,
+        help="candidate order (token_merge.build_merges' order)",
+    )
+    parser.add_argument(
+        "--coarse_sizes",
+        action="store_true",
+        help="read the prefix sizes of token_merge.COUNTS only, not every size",
+    )
+    parser.add_argument(
+        "--library_probe",
+        action="store_true",
+        help="select with the library's dev probe (as the main job does), "
+        "not scikit-learn's",
+    )
+    parser.add_argument("--tag", default="", help="suffix of the output folder")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     for r in args.run:

@@ -187,6 +187,8 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # max_drop task points allow: the cost read on select_train train + dev
     # examples, plus cost_z of its standard errors; stopping where the dev
     # leakage is within floor_z standard errors of the attribute's floor.
+    # order "balanced" mixes the attribute's classes in every prefix
+    # ("information": the ranking alone); every_size reads each prefix size.
     c.eval.token_merge = ml_collections.ConfigDict(
         {
             "enabled": False,
@@ -196,6 +198,8 @@ def base_config(method: str) -> ml_collections.ConfigDict:
             "select_train": 2000,
             "cost_z": 1.0,
             "floor_z": 1.0,
+            "order": "balanced",
+            "every_size": True,
         }
     )
     # Diff weights chosen after training (methods/strength.py): each

@@ -285,3 +285,102 @@ def test_choose_count_counts_the_reads_noise_against_the_budget():
     assert [r["se"] for r in read] == [0.1, 0.2, 0.5]
     with pytest.raises(ValueError, match="cost_z"):
         token_merge.choose_count(ranked, drop, 1.5, cost_z=-1.0)
+
+
+def _two_word_sets(n, seed):
+    """Attribute 0 spelled by tokens 20 / 22 (a quarter of the examples
+    each), attribute 1 by 21 / 23 / 25 / 27 (an eighth each): the ranking by
+    information puts the two frequent tokens of class 0 first."""
+    from moddiffy_jax.data.dataset import TokenizedSplit
+
+    rng = np.random.default_rng(seed)
+    task = rng.integers(0, 2, n).astype(np.int32)
+    attr = rng.integers(0, 2, n).astype(np.int32)
+    word = np.where(attr == 0, rng.choice([20, 22], n), rng.choice([21, 23, 25, 27], n))
+    ids = np.concatenate(
+        [(10 + task)[:, None], word[:, None], rng.integers(30, 40, (n, 3))], axis=1
+    ).astype(np.int32)
+    return TokenizedSplit(
+        input_ids=ids,
+        attention_mask=np.ones_like(ids),
+        token_type_ids=np.zeros_like(ids),
+        task=task,
+        attrs={"a": attr},
+    )
+
+
+def test_merge_order_mixes_the_classes_so_that_short_prefixes_remove(model):
+    from moddiffy_jax.eval import removal
+    from moddiffy_jax.methods import word_rows
+
+    _, params = model
+    train, dev = _two_word_sets(400, 0), _two_word_sets(400, 1)
+    ranked = word_rows.attribute_tokens(train, ["a"], 8, 0.0, VOCAB)["a"]
+    order = token_merge.merge_order(train, "a", ranked)
+    assert sorted(order) == sorted(ranked)  # a reordering
+    assert set(ranked[:2]) == {20, 22}  # two words of one class
+    assert order[0] == ranked[0] and order[1] in (21, 23, 25, 27)
+    table = np.asarray(selection.flatten(params)[WORD_TABLE])
+    target = token_merge.merge_target(params, ranked)
+
+    def leakage(ids):
+        t = table.copy()
+        t[ids] = target
+        merged = selection.unflatten({**selection.flatten(params), WORD_TABLE: t})
+        return removal.fresh_linear_leakage(
+            {"train": _bag_of_rows(merged, train), "dev": _bag_of_rows(merged, dev)},
+            {"train": train.attrs["a"], "dev": dev.attrs["a"]},
+            num_classes=2,
+        )
+
+    # Merging the two class-0 words leaves "the merged row" a class-0
+    # marker (nothing removed); one word of each class removes.
+    assert leakage(ranked[:2]) > 0.97
+    assert leakage(order[:2]) < leakage(ranked[:2]) - 0.1
+
+
+def test_build_merges_reads_every_prefix_encoding_each_example_once(model):
+    _, params = model
+    train, dev = _two_word_sets(300, 2), _two_word_sets(200, 3)
+    table = np.asarray(selection.flatten(params)[WORD_TABLE])
+    direction = table[11] - table[10]
+    threshold = np.median(_bag_of_rows(params, train) @ direction)
+
+    def predict(h):
+        return (h @ direction > threshold).astype(np.int32)
+
+    encoded = []
+
+    def represent(p, split):
+        encoded.append(len(split))
+        return _bag_of_rows(p, split)
+
+    choice = token_merge.build_merges(
+        params,
+        train,
+        dev,
+        {"a": 2},
+        represent,
+        predict,
+        max_drop=100.0,
+        floor_stop=False,
+        select_train=300,
+    )["a"]
+    assert [r["size"] for r in choice.read] == list(range(1, len(choice.ranked) + 1))
+    # The core once per split, then each example holding a candidate once.
+    holding = sum(len(token_merge.changed_rows(s, choice.ranked)) for s in (train, dev))
+    assert sum(encoded) == len(train) + len(dev) + holding
+    # Each incremental read equals merging that prefix from scratch.
+    target = token_merge.merge_target(params, choice.ranked)
+    pooled = np.concatenate([train.task, dev.task])
+    right = (
+        np.concatenate([predict(_bag_of_rows(params, s)) for s in (train, dev)])
+        == pooled
+    )
+    for rec in choice.read:
+        t = table.copy()
+        t[list(choice.ranked[: rec["size"]])] = target
+        merged = selection.unflatten({**selection.flatten(params), WORD_TABLE: t})
+        now = np.concatenate([predict(_bag_of_rows(merged, s)) for s in (train, dev)])
+        cost, se = token_merge.paired_drop(right, now == pooled)
+        assert rec["cost"] == pytest.approx(cost) and rec["se"] == pytest.approx(se)

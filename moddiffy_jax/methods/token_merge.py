@@ -20,8 +20,10 @@ differ, so they add exactly.
 
 Which tokens: the candidates are :mod:`~moddiffy_jax.methods.word_rows`'s
 ranking (``I(token present; attribute | task label)`` on the training
-split), best first; :func:`choose_count` takes the longest prefix whose task
-cost on a held-out split stays within a budget. Merging all of an
+split), reordered by :func:`merge_order` so that each prefix mixes the
+attribute's classes (two merged male names are still a male marker);
+:func:`choose_count` takes the longest prefix whose task cost on a held-out
+split stays within a budget. Merging all of an
 attribute's markers removes what the core's head read from them too; where
 the attribute predicts the task beyond the text, the budget is what keeps
 the task (a partial merge removes the attribute from the examples holding
@@ -231,6 +233,75 @@ def choose_count(
     return chosen, read
 
 
+def _information(present: np.ndarray, task: np.ndarray, attribute: np.ndarray) -> float:
+    """``I(x; attribute | task label)`` in nats for a boolean per-example
+    feature ``x`` (plug-in, from counts)."""
+    n_y, n_a = int(task.max()) + 1, int(attribute.max()) + 1
+    cell = (task * 2 + present.astype(np.int64)) * n_a + attribute
+    joint = np.bincount(cell, minlength=n_y * 2 * n_a).reshape(n_y, 2, n_a)
+    total = joint.sum()
+    p_yx = joint.sum(2, keepdims=True)
+    p_ya = joint.sum(1, keepdims=True)
+    p_y = joint.sum((1, 2), keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        term = np.where(joint > 0, joint * np.log(joint * p_y / (p_yx * p_ya)), 0.0)
+    return max(float(term.sum() / total), 0.0)
+
+
+def merge_order(split: Any, attribute: str, ranked: Sequence[int]) -> np.ndarray:
+    """``ranked`` reordered so that every prefix, merged, removes the most.
+
+    Merging tokens gives them one shared row, so what the merge removes is
+    what telling them apart said about the attribute; whether the shared row
+    is present still says as much as a single token would. Two male names
+    merged remain a male marker (README command 1 with data.seed 1: merging
+    "peter" and then "brother" left gender's dev leakage at the core's,
+    0.974; adding "emma" took it to 0.940). With ``x_t`` "example holds
+    token t" and ``x_S`` "example holds any token of S" (counts on
+    ``split``, conditioned on the task label as the ranking is), a set S
+    removes about
+
+        R(S) = sum_{t in S} I(x_t; a | y) - I(x_S; a | y)
+
+    nats. The order is greedy in R: the best-ranked token first, then at
+    each step the token whose addition gives the largest R (ties to the
+    better rank), so a prefix mixes the attribute's classes in the
+    proportions that leave its shared row least telling.
+    """
+    from moddiffy_jax.methods.word_rows import _present
+
+    ranked = np.asarray(ranked, np.int64).reshape(-1)
+    if ranked.size <= 2:
+        return ranked
+    task = np.asarray(split.task, np.int64)
+    attr = np.asarray(split.attrs[attribute], np.int64)
+    vocab = int(max(np.max(split.input_ids), ranked.max())) + 1
+    rows, tokens = _present(split.input_ids, split.attention_mask, vocab)
+    keep = np.isin(tokens, ranked)
+    column = {int(t): i for i, t in enumerate(ranked)}
+    present = np.zeros((task.size, ranked.size), bool)
+    present[rows[keep], [column[int(t)] for t in tokens[keep]]] = True
+    single = np.array(
+        [_information(present[:, i], task, attr) for i in range(ranked.size)]
+    )
+    order, union, gathered = [0], present[:, 0].copy(), single[0]
+    left = list(range(1, ranked.size))
+    while left:
+        scores = [
+            gathered + single[i] - _information(union | present[:, i], task, attr)
+            for i in left
+        ]
+        pick = left.pop(int(np.argmax(scores)))
+        order.append(pick)
+        union |= present[:, pick]
+        gathered += single[pick]
+    return ranked[order]
+
+
+#: How :func:`build_merges` orders the candidates: ``balanced``
+#: (:func:`merge_order`) or ``information`` (the ranking alone).
+ORDERS = ("balanced", "information")
+
 # Prefix sizes read by :func:`build_merges` (then the whole candidate list).
 COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -346,14 +417,20 @@ def build_merges(
     cost_z: float = 1.0,
     floor_z: float = 1.0,
     leakage_probe: Callable[..., float] | None = None,
+    order: str = "balanced",
+    every_size: bool = True,
     info: Mapping[str, Any] | None = None,
 ) -> dict[str, MergeChoice]:
     """Per attribute, the token-merge diff a task budget allows.
 
     Ranks the tokens by ``I(token present; attribute | task label)`` on
     ``train_split`` (:func:`~moddiffy_jax.methods.word_rows.attribute_tokens`,
-    at most ``candidates``, each at least ``share`` of the best), reads the
-    task cost of merging each prefix of the ranking in :data:`COUNTS` (the
+    at most ``candidates``, each at least ``share`` of the best), orders them
+    (``order``: ``balanced``, :func:`merge_order`, or ``information``, the
+    ranking as it is), reads the task cost of merging each prefix (every
+    size, or with ``every_size=False`` the sizes in :data:`COUNTS`; a prefix
+    re-encodes only the examples holding the token it adds, so every size
+    costs one encoding of the examples the candidates touch) (the
     run's own head through ``predict``; accuracy points lost on the first
     ``select_train`` training examples and the dev split, pooled, with the
     standard error of that paired difference) and chooses the prefix with
@@ -373,7 +450,7 @@ def build_merges(
       represent: ``represent(params, split)`` -> [N, H] representations.
       predict: the task head's predicted class for [N, H] representations.
       max_drop, candidates, share, select_train, floor_stop, cost_z,
-        floor_z: as above.
+        floor_z, order, every_size: as above.
       leakage_probe: the dev probe (see above).
       info: extra fields stored in each diff's info.
 
@@ -385,6 +462,8 @@ def build_merges(
 
     if max_drop < 0:
         raise ValueError(f"max_drop must be >= 0 task points; got {max_drop}.")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}; got {order!r}.")
     if not cost_z >= 0:
         raise ValueError(f"cost_z must be >= 0 standard errors; got {cost_z}.")
     if select_train < 1:
@@ -400,14 +479,14 @@ def build_merges(
 
     core_h = represent(core, select), represent(core, dev_split)
 
-    def measure(params, ids):
+    def measure(params, ids, bases=core_h):
         """Which selection examples (train and dev, pooled) the task head
-        gets right, and their train and dev representations, with the word
-        rows of ``ids`` merged (only the examples holding them are encoded
-        again)."""
+        gets right, and their train and dev representations, for ``params``
+        that differ from those giving ``bases`` only in the word rows of
+        ``ids`` (only the examples holding them are encoded again)."""
         h_tr, h_dev = (
             represent_merged(represent, params, split, base, ids)
-            for split, base in zip((select, dev_split), core_h, strict=True)
+            for split, base in zip((select, dev_split), bases, strict=True)
         )
         pred = np.concatenate([predict(h_tr), predict(h_dev)])
         return pred == pooled_task, h_tr, h_dev
@@ -418,6 +497,8 @@ def build_merges(
         ranked = word_rows.attribute_tokens(
             train_split, [attr], candidates, share, table.shape[0]
         )[attr]
+        if order == "balanced":
+            ranked = merge_order(train_split, attr, ranked)
         y_tr, y_dev = np.asarray(select.attrs[attr]), np.asarray(dev_split.attrs[attr])
         floor, tolerance = dev_floor(select, dev_split, attr, num_classes, floor_z)
         if len(ranked) == 0:
@@ -427,19 +508,26 @@ def build_merges(
         cache: dict[int, tuple] = {}
 
         def reading(ids, target=target, cache=cache):
-            if len(ids) not in cache:
+            # Prefixes are read in ascending size: the longest one read
+            # already gives every example without the new tokens.
+            k = len(ids)
+            if k not in cache:
+                done = max((j for j in cache if j < k), default=0)
+                bases = cache[done][1:] if done else core_h
                 t = table.copy()
                 t[ids] = target
                 params = selection.unflatten({**flat_core, WORD_TABLE: t})
-                right, h_tr, h_dev = measure(params, ids)
-                cache[len(ids)] = (paired_drop(core_right, right), h_tr, h_dev)
-            return cache[len(ids)]
+                right, h_tr, h_dev = measure(params, ids[done:], bases)
+                cache[k] = (paired_drop(core_right, right), h_tr, h_dev)
+            return cache[k]
 
         def leak(ids, reading=reading, y_tr=y_tr, y_dev=y_dev, c=num_classes):
             _, h_tr, h_dev = reading(ids)
             return probe(h_tr, y_tr, h_dev, y_dev, int(c))
 
         counts = [c for c in COUNTS if c < len(ranked)] + [len(ranked)]
+        if every_size:
+            counts = list(range(1, len(ranked) + 1))
         stop = {"leakage": leak, "floor": floor, "tolerance": tolerance}
         k, read = choose_count(
             ranked,
