@@ -94,6 +94,7 @@ def merge_run(run: Path, args) -> dict:
         floor_stop=not args.no_floor_stop,
         leakage_probe=None if args.library_probe else _probe,
         order=args.order,
+        target=args.target,
         every_size=not args.coarse_sizes,
     )
     tokenizer = text_lib.load_tokenizer_for(config.model)
@@ -185,6 +186,12 @@ def main() -> None:
         action="store_true",
         help="select with the library's dev probe (as the main job does), "
         "not scikit-learn's",
+    )
+    parser.add_argument(
+        "--target",
+        type=float,
+        default=0.75,
+        help="share of the dev gap to the floor at which merging stops",
     )
     parser.add_argument("--tag", default="", help="suffix of the output folder")
     args = parser.parse_args()

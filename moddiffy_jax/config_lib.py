@@ -186,9 +186,10 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # attribute's most telling tokens share one word row, as many as
     # max_drop task points allow: the cost read on select_train train + dev
     # examples, plus cost_z of its standard errors; stopping where the dev
-    # leakage is within floor_z standard errors of the attribute's floor.
-    # order "balanced" mixes the attribute's classes in every prefix
-    # ("information": the ranking alone); every_size reads each prefix size.
+    # leakage is within floor_z standard errors of the attribute's floor or
+    # has closed target of the gap from the core's to it. order "balanced"
+    # mixes the attribute's classes in every prefix ("information": the
+    # ranking alone); every_size reads each prefix size.
     c.eval.token_merge = ml_collections.ConfigDict(
         {
             "enabled": False,
@@ -198,6 +199,7 @@ def base_config(method: str) -> ml_collections.ConfigDict:
             "select_train": 2000,
             "cost_z": 1.0,
             "floor_z": 1.0,
+            "target": 0.75,
             "order": "balanced",
             "every_size": True,
         }

@@ -59,6 +59,13 @@ flags.DEFINE_float(
     "Task points a token merge may cost (read on train and dev).",
     flag_values=FLAGS,
 )
+flags.DEFINE_float(
+    "token_merge_target",
+    0.75,
+    "Share of the gap between the core's dev leakage and the floor a token "
+    "merge closes before it stops merging more (1: on to the floor).",
+    flag_values=FLAGS,
+)
 flags.DEFINE_bool(
     "strength",
     False,
@@ -146,7 +153,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             linear=FLAGS.linear,
             allow_changed_inputs=FLAGS.allow_changed_inputs,
             token_merge=(
-                {"max_drop": FLAGS.token_merge_max_drop} if FLAGS.token_merge else None
+                {
+                    "max_drop": FLAGS.token_merge_max_drop,
+                    "target": FLAGS.token_merge_target,
+                }
+                if FLAGS.token_merge
+                else None
             ),
             strength=(
                 {"max_drop": FLAGS.strength_max_drop} if FLAGS.strength else None

@@ -160,6 +160,19 @@ def test_choose_count_stops_once_the_floor_is_reached():
     assert k == 4
     with pytest.raises(ValueError, match="together"):
         token_merge.choose_count(ranked, drop, 1.0, leakage=leak)
+    # Asked for half of the gap from 0.99 to the floor (0.895): it stops at
+    # the first leakage at or below 0.9425, not at the floor.
+    probed.clear()
+    k, _ = token_merge.choose_count(
+        ranked, drop, 1.0, leakage=leak, floor=0.895, start=0.99, target=0.5
+    )
+    assert k == 2 and probed == [1, 2]
+    assert token_merge.stop_level(0.895, 0.0, 0.99, 0.5) == pytest.approx(0.9425)
+    assert token_merge.stop_level(0.895, 0.01, 0.99, 1.0) == pytest.approx(0.905)
+    with pytest.raises(ValueError, match="target"):
+        token_merge.choose_count(
+            ranked, drop, 1.0, leakage=leak, floor=0.895, start=0.99, target=0.0
+        )
 
 
 def test_the_floor_stop_allows_the_probes_noise():

@@ -165,8 +165,10 @@ def _token_merge_lines(merges: Mapping[str, Any]) -> list[str]:
     lines = [
         "",
         "`merge(<attribute>)`: a token-merge diff built on the core after "
-        "training (the attribute's most telling tokens given one shared word "
-        "row, as many as the task budget allows, stopping at the dev floor; "
+        "training (the attribute's most telling tokens, the attribute's "
+        "classes mixed, given one shared word row, as many as the task budget "
+        "allows, stopping once the dev leakage reaches the stop level: the "
+        "floor, or the asked-for share of the gap to it; "
         "`token_merge/<attribute>.safetensors`):",
         "",
     ]
@@ -176,11 +178,15 @@ def _token_merge_lines(merges: Mapping[str, Any]) -> list[str]:
             f"- {attr}: {m['merged']} of {m['candidates']} candidates ({tokens}); "
             f"dev floor {m['dev_floor']:.3f}"
         )
-        chosen = [r for r in m.get("read", []) if r.get("size") == m["merged"]]
-        if chosen and "se" in chosen[0]:
+        if m.get("stop_at") is not None:
+            line += f", core {m['dev_start']:.3f}, stop at {m['stop_at']:.3f}"
+        merged = [r for r in m.get("read", []) if r.get("size") == m["merged"]]
+        if merged and "leakage" in merged[0]:
+            line += f", reached {merged[0]['leakage']:.3f}"
+        if merged and "se" in merged[0]:
             line += (
-                f"; task cost read on train + dev {chosen[0]['cost']:.2f} "
-                f"± {chosen[0]['se']:.2f} points"
+                f"; task cost read on train + dev {merged[0]['cost']:.2f} "
+                f"± {merged[0]['se']:.2f} points"
             )
         lines.append(line)
     return lines

@@ -155,6 +155,18 @@ def paired_drop(before: np.ndarray, after: np.ndarray) -> tuple[float, float]:
     return 100.0 * float(d.mean()), 100.0 * float(np.sqrt(d.var() / d.size))
 
 
+def stop_level(
+    floor: float, tolerance: float, start: float | None, target: float
+) -> float:
+    """The leakage at which merging more stops: within ``tolerance`` of
+    ``floor``, or (given the leakage before merging, ``start``) once
+    ``target`` of the gap from ``start`` to ``floor`` is closed."""
+    level = floor + tolerance
+    if start is not None:
+        level = max(level, start - target * (start - floor))
+    return float(level)
+
+
 def choose_count(
     ranked: Sequence[int],
     task_drop: Callable[[np.ndarray], float | tuple[float, float]],
@@ -165,6 +177,8 @@ def choose_count(
     floor: float | None = None,
     tolerance: float = 0.0,
     cost_z: float = 0.0,
+    start: float | None = None,
+    target: float = 1.0,
 ) -> tuple[int, list[dict]]:
     """How long a prefix of ``ranked`` to merge within a task budget.
 
@@ -193,7 +207,10 @@ def choose_count(
     seed 0: all 8 age tokens took age 0.4 past its gap for 2.1 points).
     ``tolerance`` is the probe's own noise at the floor (a multiple of
     :func:`balanced_accuracy_se`): a leakage within it cannot be told from
-    the floor on that split.
+    the floor on that split. With ``start`` (the leakage before merging,
+    read the same way) the scan also stops once the leakage has closed
+    ``target`` of the gap from ``start`` to ``floor`` (1: only at the
+    floor): past the removal asked for, more tokens only cost the task.
 
     Returns the chosen size (0 when none is within budget) and one record
     per size read: ``{"size", "cost", "fitted"}`` (with a standard error,
@@ -210,6 +227,11 @@ def choose_count(
         raise ValueError(f"counts must lie in [1, {n}]; got {sizes}.")
     if not cost_z >= 0:
         raise ValueError(f"cost_z must be >= 0 standard errors; got {cost_z}.")
+    if not 0.0 < target <= 1.0:
+        raise ValueError(f"target must be a share of the gap in (0, 1]; got {target}.")
+    stop_at = None
+    if leakage is not None:
+        stop_at = stop_level(floor, tolerance, start, target)
     ranked = np.asarray(ranked, np.int64)
     reads = [task_drop(ranked[:k]) for k in sizes]
     costs = [float(r[0]) if isinstance(r, tuple) else float(r) for r in reads]
@@ -228,7 +250,7 @@ def choose_count(
         chosen = rec["size"]
         if leakage is not None:
             rec["leakage"] = float(leakage(ranked[:chosen]))
-            if rec["leakage"] <= floor + tolerance:
+            if rec["leakage"] <= stop_at:
                 break
     return chosen, read
 
@@ -319,6 +341,9 @@ class MergeChoice:
         errors of the dev probe at the floor.
       read: one record per prefix size read (see :func:`choose_count`).
       diff: the merge diff (None when ``merged`` is 0).
+      start: the core's leakage read by the dev probe (None without the
+        floor stop).
+      stop_at: the dev leakage at which the scan stopped merging more.
     """
 
     attribute: str
@@ -328,6 +353,8 @@ class MergeChoice:
     tolerance: float
     read: list[dict]
     diff: sparse_lib.SparseDiff | None
+    start: float | None = None
+    stop_at: float | None = None
 
     def summary(self, tokenizer=None) -> dict[str, Any]:
         """A JSON-ready record (tokens as text with ``tokenizer``)."""
@@ -338,6 +365,8 @@ class MergeChoice:
             "tokens": tokenizer.convert_ids_to_tokens(ids) if tokenizer else ids,
             "dev_floor": self.floor,
             "tolerance": self.tolerance,
+            "dev_start": self.start,
+            "stop_at": self.stop_at,
             "read": self.read,
         }
 
@@ -416,6 +445,7 @@ def build_merges(
     floor_stop: bool = True,
     cost_z: float = 1.0,
     floor_z: float = 1.0,
+    target: float = 0.75,
     leakage_probe: Callable[..., float] | None = None,
     order: str = "balanced",
     every_size: bool = True,
@@ -440,7 +470,11 @@ def build_merges(
     (``leakage_probe(h_train, y_train, h_dev, y_dev, num_classes)``,
     default a fresh class-balanced logistic regression on the standardized
     representations, fit on the same training examples) is within
-    ``floor_z`` standard errors of the attribute's dev floor.
+    ``floor_z`` standard errors of the attribute's dev floor or has closed
+    ``target`` of the gap between the core's dev leakage and that floor
+    (default 0.75: a margin over half the gap for the dev probe's noise,
+    without paying task points for removal past it; 1 merges on to the
+    floor; docs/efficacy.md, "Stop 32").
 
     Args:
       core: the encoder params the diffs are built on.
@@ -450,7 +484,7 @@ def build_merges(
       represent: ``represent(params, split)`` -> [N, H] representations.
       predict: the task head's predicted class for [N, H] representations.
       max_drop, candidates, share, select_train, floor_stop, cost_z,
-        floor_z, order, every_size: as above.
+        floor_z, target, order, every_size: as above.
       leakage_probe: the dev probe (see above).
       info: extra fields stored in each diff's info.
 
@@ -470,6 +504,8 @@ def build_merges(
         raise ValueError(f"select_train must be >= 1; got {select_train}.")
     if not floor_z >= 0:
         raise ValueError(f"floor_z must be >= 0 standard errors; got {floor_z}.")
+    if not 0.0 < target <= 1.0:
+        raise ValueError(f"target must be a share of the gap in (0, 1]; got {target}.")
     probe = leakage_probe or _default_leakage
     table = _table(core)
     flat_core = dict(selection.flatten(core))
@@ -504,10 +540,10 @@ def build_merges(
         if len(ranked) == 0:
             out[attr] = MergeChoice(attr, (), 0, floor, tolerance, [], None)
             continue
-        target = merge_target(core, ranked)
+        shared_row = merge_target(core, ranked)
         cache: dict[int, tuple] = {}
 
-        def reading(ids, target=target, cache=cache):
+        def reading(ids, shared_row=shared_row, cache=cache):
             # Prefixes are read in ascending size: the longest one read
             # already gives every example without the new tokens.
             k = len(ids)
@@ -515,7 +551,7 @@ def build_merges(
                 done = max((j for j in cache if j < k), default=0)
                 bases = cache[done][1:] if done else core_h
                 t = table.copy()
-                t[ids] = target
+                t[ids] = shared_row
                 params = selection.unflatten({**flat_core, WORD_TABLE: t})
                 right, h_tr, h_dev = measure(params, ids[done:], bases)
                 cache[k] = (paired_drop(core_right, right), h_tr, h_dev)
@@ -528,24 +564,32 @@ def build_merges(
         counts = [c for c in COUNTS if c < len(ranked)] + [len(ranked)]
         if every_size:
             counts = list(range(1, len(ranked) + 1))
-        stop = {"leakage": leak, "floor": floor, "tolerance": tolerance}
+        start = stop_at = None
+        stop = {}
+        if floor_stop:
+            start = float(probe(core_h[0], y_tr, core_h[1], y_dev, int(num_classes)))
+            stop = {"leakage": leak, "floor": floor, "tolerance": tolerance}
+            stop.update(start=start, target=target)
+            stop_at = stop_level(floor, tolerance, start, target)
         k, read = choose_count(
             ranked,
             lambda ids, reading=reading: reading(ids)[0],
             max_drop,
             counts,
             cost_z=cost_z,
-            **(stop if floor_stop else {}),
+            **stop,
         )
         diff = None
         if k:
             diff = merge_diff(
                 core,
                 ranked[:k],
-                target,
+                shared_row,
                 name=attr,
                 info={"max_drop": max_drop, **dict(info or {})},
             )
         ranked_ids = tuple(int(t) for t in ranked)
-        out[attr] = MergeChoice(attr, ranked_ids, k, floor, tolerance, read, diff)
+        out[attr] = MergeChoice(
+            attr, ranked_ids, k, floor, tolerance, read, diff, start, stop_at
+        )
     return out
