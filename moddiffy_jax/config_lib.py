@@ -188,7 +188,8 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # examples, plus cost_z of its standard errors; stopping where the dev
     # leakage is within floor_z standard errors of the attribute's floor or
     # has closed target of the gap from the core's to it. order "balanced"
-    # mixes the attribute's classes in every prefix ("information": the
+    # interleaves the attribute's classes, keeping the ranking within each
+    # ("greedy": a count estimate of the removal; "information": the
     # ranking alone); every_size reads each prefix size.
     c.eval.token_merge = ml_collections.ConfigDict(
         {

@@ -333,6 +333,13 @@ def test_merge_order_mixes_the_classes_so_that_short_prefixes_remove(model):
     assert sorted(order) == sorted(ranked)  # a reordering
     assert set(ranked[:2]) == {20, 22}  # two words of one class
     assert order[0] == ranked[0] and order[1] in (21, 23, 25, 27)
+    # Within each class the ranking's order is kept.
+    for words in ((20, 22), (21, 23, 25, 27)):
+        assert [t for t in order if t in words] == [t for t in ranked if t in words]
+    greedy = token_merge.merge_order(train, "a", ranked, "greedy")
+    assert sorted(greedy) == sorted(ranked) and greedy[1] in (21, 23, 25, 27)
+    with pytest.raises(ValueError, match="how"):
+        token_merge.merge_order(train, "a", ranked, "random")
     table = np.asarray(selection.flatten(params)[WORD_TABLE])
     target = token_merge.merge_target(params, ranked)
 

@@ -270,44 +270,90 @@ def _information(present: np.ndarray, task: np.ndarray, attribute: np.ndarray) -
     return max(float(term.sum() / total), 0.0)
 
 
-def merge_order(split: Any, attribute: str, ranked: Sequence[int]) -> np.ndarray:
-    """``ranked`` reordered so that every prefix, merged, removes the most.
+def _presence(split: Any, ranked: np.ndarray) -> np.ndarray:
+    """``[examples, len(ranked)]``: whether each example holds each token."""
+    from moddiffy_jax.methods.word_rows import _present
+
+    vocab = int(max(np.max(split.input_ids), ranked.max())) + 1
+    rows, tokens = _present(split.input_ids, split.attention_mask, vocab)
+    keep = np.isin(tokens, ranked)
+    column = {int(t): i for i, t in enumerate(ranked)}
+    present = np.zeros((len(split.task), ranked.size), bool)
+    present[rows[keep], [column[int(t)] for t in tokens[keep]]] = True
+    return present
+
+
+def merge_order(
+    split: Any, attribute: str, ranked: Sequence[int], how: str = "balanced"
+) -> np.ndarray:
+    """``ranked`` reordered so that merged prefixes do not stay telling.
 
     Merging tokens gives them one shared row, so what the merge removes is
     what telling them apart said about the attribute; whether the shared row
     is present still says as much as a single token would. Two male names
     merged remain a male marker (README command 1 with data.seed 1: merging
     "peter" and then "brother" left gender's dev leakage at the core's,
-    0.974; adding "emma" took it to 0.940). With ``x_t`` "example holds
-    token t" and ``x_S`` "example holds any token of S" (counts on
-    ``split``, conditioned on the task label as the ranking is), a set S
-    removes about
+    0.974; adding "emma" took it to 0.940). Counts are on ``split``.
+
+    ``how="balanced"`` (the default) keeps the ranking within each class of
+    the attribute and interleaves the classes: each token is assigned the
+    class it raises most (``P(a = c | token) / P(a = c)``), and the next
+    token is the best-ranked one of the class least represented among the
+    examples the prefix merges, relative to that class's share of the
+    split (ties to the better rank).
+
+    ``how="greedy"`` maximises a count estimate of what a prefix S removes,
+    with ``x_t`` "example holds token t" and ``x_S`` "holds any token of S",
+    conditioned on the task label as the ranking is:
 
         R(S) = sum_{t in S} I(x_t; a | y) - I(x_S; a | y)
 
-    nats. The order is greedy in R: the best-ranked token first, then at
-    each step the token whose addition gives the largest R (ties to the
-    better rank), so a prefix mixes the attribute's classes in the
-    proportions that leave its shared row least telling.
+    (the best-ranked token first, then the largest R at each step). It
+    trades the ranking for the counts' balance, and on README command 1's
+    three training seeds it put "sister" where the ranking has "she" and
+    removed less gender at a larger cost (docs/efficacy.md, "Stop 32").
     """
-    from moddiffy_jax.methods.word_rows import _present
-
+    if how not in ("balanced", "greedy"):
+        raise ValueError(f"how must be 'balanced' or 'greedy'; got {how!r}.")
     ranked = np.asarray(ranked, np.int64).reshape(-1)
     if ranked.size <= 2:
         return ranked
     task = np.asarray(split.task, np.int64)
     attr = np.asarray(split.attrs[attribute], np.int64)
-    vocab = int(max(np.max(split.input_ids), ranked.max())) + 1
-    rows, tokens = _present(split.input_ids, split.attention_mask, vocab)
-    keep = np.isin(tokens, ranked)
-    column = {int(t): i for i, t in enumerate(ranked)}
-    present = np.zeros((task.size, ranked.size), bool)
-    present[rows[keep], [column[int(t)] for t in tokens[keep]]] = True
+    present = _presence(split, ranked)
+    if how == "greedy":
+        return ranked[_greedy_removal(present, task, attr)]
+    n_classes = int(attr.max()) + 1
+    share = np.bincount(attr, minlength=n_classes) / attr.size
+    lift = np.stack(
+        [
+            np.bincount(attr[present[:, i]], minlength=n_classes)
+            / max(int(present[:, i].sum()), 1)
+            for i in range(ranked.size)
+        ]
+    ) / np.maximum(share, 1e-12)
+    klass = lift.argmax(1)
+    order, union, left = [], np.zeros(attr.size, bool), list(range(ranked.size))
+    while left:
+        held = np.bincount(attr[union], minlength=n_classes) / np.maximum(share, 1e-12)
+        wanted = [
+            c for c in np.argsort(held, kind="stable") if (klass[left] == c).any()
+        ]
+        low = [c for c in wanted if held[c] == held[wanted[0]]]
+        pick = min(i for i in left if klass[i] in low)  # best-ranked
+        left.remove(pick)
+        order.append(pick)
+        union |= present[:, pick]
+    return ranked[order]
+
+
+def _greedy_removal(present: np.ndarray, task: np.ndarray, attr: np.ndarray) -> list:
+    """Column order greedy in R(S) (see :func:`merge_order`)."""
     single = np.array(
-        [_information(present[:, i], task, attr) for i in range(ranked.size)]
+        [_information(present[:, i], task, attr) for i in range(present.shape[1])]
     )
     order, union, gathered = [0], present[:, 0].copy(), single[0]
-    left = list(range(1, ranked.size))
+    left = list(range(1, present.shape[1]))
     while left:
         scores = [
             gathered + single[i] - _information(union | present[:, i], task, attr)
@@ -317,12 +363,12 @@ def merge_order(split: Any, attribute: str, ranked: Sequence[int]) -> np.ndarray
         order.append(pick)
         union |= present[:, pick]
         gathered += single[pick]
-    return ranked[order]
+    return order
 
 
-#: How :func:`build_merges` orders the candidates: ``balanced``
-#: (:func:`merge_order`) or ``information`` (the ranking alone).
-ORDERS = ("balanced", "information")
+#: How :func:`build_merges` orders the candidates: ``balanced`` or
+#: ``greedy`` (:func:`merge_order`), or ``information`` (the ranking alone).
+ORDERS = ("balanced", "greedy", "information")
 
 # Prefix sizes read by :func:`build_merges` (then the whole candidate list).
 COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -456,11 +502,12 @@ def build_merges(
     Ranks the tokens by ``I(token present; attribute | task label)`` on
     ``train_split`` (:func:`~moddiffy_jax.methods.word_rows.attribute_tokens`,
     at most ``candidates``, each at least ``share`` of the best), orders them
-    (``order``: ``balanced``, :func:`merge_order`, or ``information``, the
-    ranking as it is), reads the task cost of merging each prefix (every
-    size, or with ``every_size=False`` the sizes in :data:`COUNTS`; a prefix
-    re-encodes only the examples holding the token it adds, so every size
-    costs one encoding of the examples the candidates touch) (the
+    (``order``: ``balanced`` or ``greedy``, :func:`merge_order`, or
+    ``information``, the ranking as it is), reads the task cost of merging
+    each prefix (every size, or with ``every_size=False`` the sizes in
+    :data:`COUNTS`; a prefix re-encodes only the examples holding the token
+    it adds, so every size costs one encoding of the examples the candidates
+    touch) (the
     run's own head through ``predict``; accuracy points lost on the first
     ``select_train`` training examples and the dev split, pooled, with the
     standard error of that paired difference) and chooses the prefix with
@@ -533,8 +580,8 @@ def build_merges(
         ranked = word_rows.attribute_tokens(
             train_split, [attr], candidates, share, table.shape[0]
         )[attr]
-        if order == "balanced":
-            ranked = merge_order(train_split, attr, ranked)
+        if order != "information":
+            ranked = merge_order(train_split, attr, ranked, order)
         y_tr, y_dev = np.asarray(select.attrs[attr]), np.asarray(dev_split.attrs[attr])
         floor, tolerance = dev_floor(select, dev_split, attr, num_classes, floor_z)
         if len(ranked) == 0:
