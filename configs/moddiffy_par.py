@@ -30,8 +30,10 @@ close 0.65 / 0.86 (attacker / linear) of gender's gap at -1.1 points and
 0.83 / 0.91 of age's at -1.7. Since stop 31 the selection reads 2,000 dev
 examples: over seeds 0-2 every merge closes more than half of its gap
 under both probes within 2 points on the default data sample (data.seed=0;
-over data.seed 0-2, 3 of 6 attribute-samples); about 13 min 20 s on a
-fresh clone.
+over data.seed 0-2, 3 of 6 attribute-samples). Since stop 32 a merge
+interleaves the attribute's classes and stops at three quarters of the gap
+(eval.token_merge.order, .target): over data.seed 1-3, 4 of 6
+attribute-samples; about 13 min on a fresh clone.
 """
 
 from moddiffy_jax.config_lib import experiment_config
