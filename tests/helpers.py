@@ -72,16 +72,21 @@ def check_run(workdir, results, method):
     return core
 
 
-def planted_split(n, seed):
+def planted_split(n, seed, attr_words=None):
     """Each example: one task token (10 / 11), one attribute token (20 / 21,
-    independent of the task) and three filler tokens (30-39)."""
+    independent of the task; with ``attr_words``, drawn uniformly from
+    ``attr_words[attribute]``) and three filler tokens (30-39)."""
     from moddiffy_jax.data.dataset import TokenizedSplit
 
     rng = np.random.default_rng(seed)
     task = rng.integers(0, 2, n).astype(np.int32)
     attr = rng.integers(0, 2, n).astype(np.int32)
+    word = 20 + attr
+    if attr_words is not None:
+        drawn = [rng.choice(list(words), n) for words in attr_words]
+        word = np.choose(attr, drawn)
     ids = np.concatenate(
-        [(10 + task)[:, None], (20 + attr)[:, None], rng.integers(30, 40, (n, 3))],
+        [(10 + task)[:, None], word[:, None], rng.integers(30, 40, (n, 3))],
         axis=1,
     ).astype(np.int32)
     return TokenizedSplit(

@@ -304,22 +304,7 @@ def _two_word_sets(n, seed):
     """Attribute 0 spelled by tokens 20 / 22 (a quarter of the examples
     each), attribute 1 by 21 / 23 / 25 / 27 (an eighth each): the ranking by
     information puts the two frequent tokens of class 0 first."""
-    from moddiffy_jax.data.dataset import TokenizedSplit
-
-    rng = np.random.default_rng(seed)
-    task = rng.integers(0, 2, n).astype(np.int32)
-    attr = rng.integers(0, 2, n).astype(np.int32)
-    word = np.where(attr == 0, rng.choice([20, 22], n), rng.choice([21, 23, 25, 27], n))
-    ids = np.concatenate(
-        [(10 + task)[:, None], word[:, None], rng.integers(30, 40, (n, 3))], axis=1
-    ).astype(np.int32)
-    return TokenizedSplit(
-        input_ids=ids,
-        attention_mask=np.ones_like(ids),
-        token_type_ids=np.zeros_like(ids),
-        task=task,
-        attrs={"a": attr},
-    )
+    return _planted_split(n, seed, attr_words=((20, 22), (21, 23, 25, 27)))
 
 
 def test_merge_order_mixes_the_classes_so_that_short_prefixes_remove(model):
