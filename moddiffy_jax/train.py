@@ -392,9 +392,10 @@ def _stop_reason(config, global_step: int) -> str | None:
     return f"{signal_name} received" if signal_name else None
 
 
-def token_merge_options(config, name: str = "token_merge") -> dict[str, Any] | None:
-    """``config.eval.<name>`` (``token_merge`` or ``strength``) as
-    ``evaluate_run``'s keyword arguments (None when off, or for a config
+def eval_options(config, name: str) -> dict[str, Any] | None:
+    """``config.eval.<name>`` (an optional step of the evaluation with an
+    ``enabled`` switch: ``token_merge`` or ``strength``) as the keyword
+    arguments ``evaluate_run`` takes for it (None when off, or for a config
     without the section)."""
     section = config.eval.get(name)
     if section is None or not section.enabled:
@@ -418,8 +419,8 @@ def _leakage(config, workdir: Path, results: dict, attributes) -> dict[str, Any]
         probe_config=probe_config,
         inlp=config.eval.inlp,
         verify_inputs=False,  # checked when this run started
-        token_merge=token_merge_options(config),
-        strength=token_merge_options(config, "strength"),
+        token_merge=eval_options(config, "token_merge"),
+        strength=eval_options(config, "strength"),
     )
     for label, row in evaluation["composition"].items():
         if label not in results["composition"]:  # INLP and token-merge rows

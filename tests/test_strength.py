@@ -107,11 +107,11 @@ def test_config_sections_become_evaluate_run_options():
     from moddiffy_jax.config_lib import experiment_config
 
     config = experiment_config("moddiffy_par", "model=tiny")
-    assert train.token_merge_options(config, "strength") is None  # off by default
+    assert train.eval_options(config, "strength") is None  # off by default
     with config.unlocked():
         config.eval.strength.enabled = True
         config.eval.strength.max_drop = 1.0
-    options = train.token_merge_options(config, "strength")
+    options = train.eval_options(config, "strength")
     assert options == {
         "max_drop": 1.0,
         "select_train": 2000,
