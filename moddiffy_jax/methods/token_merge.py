@@ -591,8 +591,8 @@ def build_merges(
         cache: dict[int, tuple] = {}
 
         def reading(ids, shared_row=shared_row, cache=cache):
-            # Prefixes are read in ascending size: the longest one read
-            # already gives every example without the new tokens.
+            # The longest shorter prefix read already gives every example
+            # that holds none of the tokens this one adds.
             k = len(ids)
             if k not in cache:
                 done = max((j for j in cache if j < k), default=0)
@@ -608,9 +608,11 @@ def build_merges(
             _, h_tr, h_dev = reading(ids)
             return probe(h_tr, y_tr, h_dev, y_dev, int(c))
 
-        counts = [c for c in COUNTS if c < len(ranked)] + [len(ranked)]
-        if every_size:
-            counts = list(range(1, len(ranked) + 1))
+        counts = (
+            list(range(1, len(ranked) + 1))
+            if every_size
+            else [c for c in COUNTS if c < len(ranked)] + [len(ranked)]
+        )
         start = stop_at = None
         stop = {}
         if floor_stop:
