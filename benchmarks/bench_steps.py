@@ -102,6 +102,7 @@ def run_one(
     objective: str = "",
     step_jit: str = "step",
     trace_dir: str | None = None,
+    scan_layers: bool = False,
 ):
     """Measures one configuration in this process; returns a dict.
 
@@ -131,6 +132,7 @@ def run_one(
         config.data.trim_padding = False  # the shape asked for, padding and all
         config.model.dtype = dtype
         config.train.step_jit = step_jit
+        config.model.scan_layers = scan_layers
         config.data.synthetic.num_train = max(4 * batch, 256)
         if model == "tiny":
             config.model.init = "random"
@@ -187,6 +189,7 @@ def run_one(
         "dtype": dtype,
         "objective": str(config.method.get("objective", "")),
         "step_jit": step_jit,
+        "scan_layers": scan_layers,
         "substeps": [s.name for s in substeps],
         "compile_s": round(compile_s, 2),
         "step_s_median": round(median, 4),
@@ -222,6 +225,7 @@ def measure(
     dtype: str = "float32",
     objective: str = "",
     step_jit: str = "step",
+    scan_layers: bool = False,
 ) -> dict | None:
     """:func:`run_one` in a fresh subprocess (its own compile cache and peak
     RSS); None, with the subprocess's error on stderr, if it failed."""
@@ -245,7 +249,7 @@ def measure(
         objective,
         "--step-jit",
         step_jit,
-    ]
+    ] + (["--scan_layers"] if scan_layers else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
@@ -272,6 +276,11 @@ def main():
         default="step",
         help="config.train.step_jit: step (one program) or substeps",
     )
+    parser.add_argument(
+        "--scan_layers",
+        action="store_true",
+        help="config.model.scan_layers: the encoder's layers under lax.scan",
+    )
     parser.add_argument("--out", default="benchmarks/results.jsonl")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -285,6 +294,7 @@ def main():
             args.dtype,
             args.objective,
             args.step_jit,
+            scan_layers=args.scan_layers,
         )
         print("RESULT " + json.dumps(result))
         return
@@ -302,6 +312,7 @@ def main():
                 args.dtype,
                 args.objective,
                 args.step_jit,
+                args.scan_layers,
             )
             if result is None:
                 continue

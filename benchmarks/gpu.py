@@ -77,7 +77,15 @@ def model_flops_per_pass(cfg: dict, batch: int, length: int) -> float:
 
 
 def step_row(
-    method, batch, length, steps, dtype, peak, trace_dir=None, step_jit="step"
+    method,
+    batch,
+    length,
+    steps,
+    dtype,
+    peak,
+    trace_dir=None,
+    step_jit="step",
+    scan_layers=False,
 ) -> dict:
     row = bench_steps.run_one(
         method,
@@ -89,6 +97,7 @@ def step_row(
         "adversarial",
         step_jit=step_jit,
         trace_dir=trace_dir,
+        scan_layers=scan_layers,
     )
     with open(os.path.join(bench_steps._bert_base_dir(), "config.json")) as f:
         cfg = json.load(f)
@@ -160,6 +169,11 @@ def main():
         "--step_jit", default="step", help="config.train.step_jit: step or substeps"
     )
     parser.add_argument(
+        "--scan_layers",
+        default="0",
+        help="comma list of config.model.scan_layers values to measure (0, 1)",
+    )
+    parser.add_argument(
         "--trace", default="", help="folder for a jax.profiler trace of each step"
     )
     parser.add_argument("--out", default="benchmarks/results_gpu.jsonl")
@@ -176,12 +190,21 @@ def main():
     for row in [] if args.no_compose else compose_rows(args.keep, args.repeats):
         emit(row)
     steps, ceiling = [], None
-    for dtype in args.dtypes.split(","):
+    variants = [
+        (dtype, bool(int(scan)))
+        for dtype in args.dtypes.split(",")
+        for scan in args.scan_layers.split(",")
+    ]
+    for dtype, scan in variants:
         by_method = {}
         for method in args.methods.split(","):
-            print(f"{time.strftime('%H:%M:%S')} {method} {dtype}: building", flush=True)
+            label = f"{method} {dtype}{' scan' if scan else ''}"
+            print(f"{time.strftime('%H:%M:%S')} {label}: building", flush=True)
             trace_dir = (
-                os.path.join(args.trace, f"{method}_{dtype}_{args.batch}")
+                os.path.join(
+                    args.trace,
+                    f"{method}_{dtype}_{args.batch}{'_scan' if scan else ''}",
+                )
                 if args.trace
                 else None
             )
@@ -195,9 +218,10 @@ def main():
                     peak,
                     trace_dir,
                     args.step_jit,
+                    scan,
                 )
             except Exception as e:  # report and go on to the next configuration
-                print(f"{method} {dtype} failed: {e!r}", flush=True)
+                print(f"{label} failed: {e!r}", flush=True)
                 continue
             by_method[method] = row
             steps.append(row)
@@ -206,7 +230,7 @@ def main():
             ratio = by_method["moddiffy_par"]["step_s_median"] / (
                 3 * by_method["finetune"]["step_s_median"]
             )
-            print(f"{dtype}: MoDDiffy-par step / (3 x finetune) = {ratio:.2f}")
+            print(f"{label}: MoDDiffy-par step / (3 x finetune) = {ratio:.2f}")
         if ceiling is None:
             # The matmul ceiling after the first dtype's steps: other
             # processes sharing the device (compile probes) are done by then.
@@ -223,7 +247,8 @@ def main():
             )
     for row in steps:
         print(
-            f"{row['method']} {row['dtype']} batch {row['batch']}: "
+            f"{row['method']} {row['dtype']} batch {row['batch']}"
+            f"{' scan' if row.get('scan_layers') else ''}: "
             f"{row['achieved_tflops'] / ceiling:.3f} of the measured ceiling",
             flush=True,
         )

@@ -94,6 +94,9 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.model.tokenizer_dir = ""
     c.model.vocab_size = 30522  # random tiny model only.
     c.model.dtype = "float32"
+    # Run the encoder's layers under jax.lax.scan: one compiled layer body
+    # instead of one per layer (models/bert_model.BertStack; docs/speed.md).
+    c.model.scan_layers = False
     c.model.task_hidden = 0
     c.model.task_dropout = 0.3
     c.model.adapter_reduction_factor = 2

@@ -497,18 +497,55 @@ class BertLayer(nn.Module):
 
 
 class BertStack(nn.Module):
-    """``num_hidden_layers`` :class:`BertLayer` s named ``layer_{i}``."""
+    """``num_hidden_layers`` :class:`BertLayer` s named ``layer_{i}``.
+
+    With ``scan``, applying the stack runs one layer body under
+    ``jax.lax.scan`` over the layers' params stacked on a leading axis, so
+    XLA compiles the layer (and its backward pass) once instead of once per
+    layer; the param tree keeps its ``layer_{i}`` names (init, checkpoints,
+    diffs and Hugging Face files are unchanged). The values are those of the
+    unrolled stack; with dropout on, each layer's dropout key is drawn from
+    one ``"dropout"`` key of the stack, so the masks differ from the unrolled
+    stack's (same distribution).
+    """
 
     config: BertConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    scan: bool = False
 
     @nn.compact
     def __call__(self, x, mask_bias, *, deterministic: bool):
-        for i in range(self.config.num_hidden_layers):
-            x = BertLayer(self.config, self.dtype, self.param_dtype, name=f"layer_{i}")(
-                x, mask_bias, deterministic=deterministic
+        n = self.config.num_hidden_layers
+        kw = dict(config=self.config, dtype=self.dtype, param_dtype=self.param_dtype)
+        if not self.scan or n < 2 or self.is_initializing():
+            for i in range(n):
+                x = BertLayer(**kw, name=f"layer_{i}")(
+                    x, mask_bias, deterministic=deterministic
+                )
+            return x
+        params = self.variables.get("params", {})
+        names = [f"layer_{i}" for i in range(n)]
+        missing = [name for name in names if name not in params]
+        if missing:
+            raise ValueError(
+                f"The encoder params have no {missing[0]} (expected layer_0 .. "
+                f"layer_{n - 1} under 'encoder'): load params that match "
+                "this BertConfig's num_hidden_layers."
             )
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(params[k] for k in names))
+        layer = BertLayer(**kw, parent=None)
+        keys = None if deterministic else jax.random.split(self.make_rng("dropout"), n)
+
+        def body(h, per_layer):
+            p, key = per_layer
+            rngs = None if key is None else {"dropout": key}
+            h = layer.apply(
+                {"params": p}, h, mask_bias, deterministic=deterministic, rngs=rngs
+            )
+            return h, None
+
+        x, _ = jax.lax.scan(body, x, (stacked, keys))
         return x
 
 
@@ -520,11 +557,14 @@ class BertEncoder(nn.Module):
       dtype: Compute dtype (``jnp.float32`` or ``jnp.bfloat16``). Attention
         softmax is always computed in float32.
       param_dtype: Parameter dtype.
+      scan_layers: Run the layers under ``jax.lax.scan`` (:class:`BertStack`):
+        one compiled layer body instead of ``num_hidden_layers``.
     """
 
     config: BertConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    scan_layers: bool = False
 
     @nn.compact
     def __call__(
@@ -571,7 +611,9 @@ class BertEncoder(nn.Module):
         # Additive key mask [B, 1, 1, L], float32 (added to float32 scores).
         keep = attention_mask.astype(jnp.bool_)[:, None, None, :]
         mask_bias = jnp.where(keep, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
-        x = BertStack(**kw, name="encoder")(x, mask_bias, deterministic=deterministic)
+        x = BertStack(**kw, scan=self.scan_layers, name="encoder")(
+            x, mask_bias, deterministic=deterministic
+        )
         pooled = _DenseActivation(
             **kw, features=cfg.hidden_size, activation=jnp.tanh, name="pooler"
         )(x[:, 0])

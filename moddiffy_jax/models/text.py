@@ -117,7 +117,8 @@ def build_model(
       model_cfg: ``config.model``: ``init`` ("pretrained" loads ``dir``, or
         the bundled MiniLM when empty; "random" builds ``BertConfig.tiny`` or
         the architecture of ``dir``'s config.json with random weights),
-        ``dtype``, ``task_hidden``, ``task_dropout``, ``adapter_reduction_factor``.
+        ``dtype``, ``scan_layers``, ``task_hidden``, ``task_dropout``,
+        ``adapter_reduction_factor``.
       num_task_classes: task classes C.
       attr_classes: classes per protected attribute.
       adversary: ``config.method.adversary`` (members, hidden, dropout), or
@@ -153,7 +154,9 @@ def build_model(
     dtype = _DTYPES[model_cfg.dtype]
     model = TextModel(
         bert_config=bert_config,
-        encoder=bert_lib.BertEncoder(bert_config, dtype=dtype),
+        encoder=bert_lib.BertEncoder(
+            bert_config, dtype=dtype, scan_layers=bool(model_cfg.get("scan_layers"))
+        ),
         task_head=ClassifierHead(
             num_outputs=num_task_classes,
             num_hidden=model_cfg.task_hidden,
