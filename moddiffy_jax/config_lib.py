@@ -186,14 +186,18 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.eval.inlp = True
     # Token-merge diffs built on the core after training and added to the
     # composition matrix (methods/token_merge.py; text encoders only): each
-    # attribute's most telling tokens share one word row, as many as
-    # max_drop task points allow: the cost read on select_train train + dev
-    # examples, plus cost_z of its standard errors; stopping where the dev
+    # attribute's most telling tokens, in groups of counterparts (she / he)
+    # each merged into one word row, as many as max_drop task points allow:
+    # the cost read on select_train train + dev
+    # examples, plus cost_z of its standard errors (1.64: the read's one-sided
+    # 95% bound; docs/efficacy.md, "Stop 33"); stopping where the dev
     # leakage is within floor_z standard errors of the attribute's floor or
-    # has closed target of the gap from the core's to it. order "balanced"
-    # interleaves the attribute's classes, keeping the ranking within each
-    # ("greedy": a count estimate of the removal; "information": the
-    # ranking alone); every_size reads each prefix size.
+    # has closed target of the gap from the core's to it. order
+    # "counterparts" merges groups of one token per class (nearest word rows),
+    # each group into its own row; "balanced" interleaves the attribute's
+    # classes into one shared row ("greedy": a count estimate of the
+    # removal; "information": the ranking alone); every_size reads each
+    # prefix size (counterparts: each whole group).
     c.eval.token_merge = ml_collections.ConfigDict(
         {
             "enabled": False,
@@ -201,10 +205,10 @@ def base_config(method: str) -> ml_collections.ConfigDict:
             "candidates": 64,
             "share": 0.1,
             "select_train": 2000,
-            "cost_z": 1.0,
+            "cost_z": 1.64,
             "floor_z": 1.0,
             "target": 0.75,
-            "order": "balanced",
+            "order": "counterparts",
             "every_size": True,
         }
     )
@@ -363,6 +367,9 @@ def size_for_cpu(c: ml_collections.ConfigDict, data: str) -> None:
         # past 15 minutes at stop 30). Training does not read dev.
         c.data.synthetic.num_dev = 2000
         c.eval.probe_max_dev = 500
+        # The main job's task bar is 2 points (dwmw17's 1.5, the default): the
+        # merges' budget, with the read's 95% bound held within it (cost_z).
+        c.eval.token_merge.max_drop = 2.0
 
 
 def set_paper_scale(c: ml_collections.ConfigDict, data: str) -> None:

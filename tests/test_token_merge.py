@@ -344,7 +344,84 @@ def test_merge_order_mixes_the_classes_so_that_short_prefixes_remove(model):
     assert leakage(order[:2]) < leakage(ranked[:2]) - 0.1
 
 
-def test_build_merges_reads_every_prefix_encoding_each_example_once(model):
+def _role_split(n, seed):
+    """The attribute's words play two parts: 20 (class 0) / 21 (class 1) in
+    the first slot, 22 / 23 in the second (like "she" / "he" and "her" /
+    "his"); the other slot holds a filler."""
+    from moddiffy_jax.data.dataset import TokenizedSplit
+
+    rng = np.random.default_rng(seed)
+    task, attr = rng.integers(0, 2, n), rng.integers(0, 2, n)
+    second = rng.integers(0, 2, n).astype(bool)
+    word = np.where(second, 22, 20) + attr
+    slots = np.where(second[:, None], [[30, 0]], [[0, 30]])
+    slots[np.arange(n), second.astype(int)] = word
+    ids = np.concatenate(
+        [(10 + task)[:, None], slots, rng.integers(31, 40, (n, 2))], axis=1
+    ).astype(np.int32)
+    return TokenizedSplit(
+        input_ids=ids,
+        attention_mask=np.ones_like(ids),
+        token_type_ids=np.zeros_like(ids),
+        task=task.astype(np.int32),
+        attrs={"a": attr.astype(np.int32)},
+    )
+
+
+def test_counterparts_merge_where_one_shared_row_stays_telling(model):
+    from moddiffy_jax.eval import removal
+    from moddiffy_jax.methods import word_rows
+
+    _, params = model
+    flat = selection.flatten(params)
+    table = np.array(flat[WORD_TABLE])
+    rng = np.random.default_rng(0)
+    # Counterparts have near rows (as "she" and "he" do in MiniLM).
+    table[21] = table[20] + 0.05 * rng.normal(size=table.shape[1])
+    table[23] = table[22] + 0.05 * rng.normal(size=table.shape[1])
+    params = selection.unflatten({**flat, WORD_TABLE: table})
+    train, dev = _role_split(600, 0), _role_split(600, 1)
+    ranked = word_rows.attribute_tokens(train, ["a"], 8, 0.2, VOCAB)["a"]
+    assert sorted(ranked) == [20, 21, 22, 23]
+    groups = token_merge.counterpart_groups(train, "a", ranked, table)
+    assert sorted(sorted(g.tolist()) for g in groups) == [[20, 21], [22, 23]]
+    assert groups[0][0] == ranked[0]  # groups in the order of their first token
+
+    def leakage(token_ids, rows):
+        t = table.copy()
+        t[token_ids] = rows
+
+        def represent(split):  # a stand-in encoder that sees the slots
+            return t[split.input_ids[:, 1:3]].reshape(len(split.task), -1)
+
+        return removal.fresh_linear_leakage(
+            {"train": represent(train), "dev": represent(dev)},
+            {"train": train.attrs["a"], "dev": dev.attrs["a"]},
+            num_classes=2,
+        )
+
+    assert leakage([], table[[]]) > 0.97
+    # One word of each class in one shared row: the slot still tells them apart.
+    shared = token_merge.merge_target(params, [20, 23])
+    assert leakage([20, 23], shared) > 0.97
+    # The counterparts, each group in its own row: nothing left to read.
+    order = np.concatenate(groups)
+    assert leakage(order, token_merge.group_rows(table, groups)) < 0.6
+    diff = token_merge.merge_diff(
+        params, order, token_merge.group_rows(table, groups), name="a"
+    )
+    merged = sparse_lib.apply_diffs(params, [diff])
+    merged = np.asarray(selection.flatten(merged)[WORD_TABLE])
+    np.testing.assert_allclose(merged[20], merged[21], atol=1e-6)
+    np.testing.assert_allclose(merged[22], merged[23], atol=1e-6)
+    assert not np.allclose(merged[20], merged[22])
+    # A token with no counterpart of the other class left is not merged.
+    assert token_merge.counterpart_groups(train, "a", [20, 21, 22], table)[-1].size == 2
+    assert len(token_merge.counterpart_groups(train, "a", [20, 21, 22], table)) == 1
+
+
+@pytest.mark.parametrize("order", ["balanced", "counterparts"])
+def test_build_merges_reads_every_prefix_encoding_each_example_once(model, order):
     _, params = model
     train, dev = _two_word_sets(300, 2), _two_word_sets(200, 3)
     table = np.asarray(selection.flatten(params)[WORD_TABLE])
@@ -370,13 +447,25 @@ def test_build_merges_reads_every_prefix_encoding_each_example_once(model):
         max_drop=100.0,
         floor_stop=False,
         select_train=300,
+        order=order,
     )["a"]
-    assert [r["size"] for r in choice.read] == list(range(1, len(choice.ranked) + 1))
+    ranked = np.asarray(choice.ranked)
+    if order == "counterparts":  # whole groups: one word of each class
+        assert choice.groups == (2, 2)
+        sizes = [2, 4]
+        targets = token_merge.group_rows(table, np.split(ranked, sizes[:-1]))
+        summary = choice.summary()
+        assert summary["groups"] == [list(ranked[:2]), list(ranked[2:])]
+    else:
+        sizes = list(range(1, len(ranked) + 1))
+        targets = np.broadcast_to(
+            token_merge.merge_target(params, ranked), (len(ranked), table.shape[1])
+        )
+    assert [r["size"] for r in choice.read] == sizes
     # The core once per split, then each example holding a candidate once.
     holding = sum(len(token_merge.changed_rows(s, choice.ranked)) for s in (train, dev))
     assert sum(encoded) == len(train) + len(dev) + holding
     # Each incremental read equals merging that prefix from scratch.
-    target = token_merge.merge_target(params, choice.ranked)
     pooled = np.concatenate([train.task, dev.task])
     right = (
         np.concatenate([predict(_bag_of_rows(params, s)) for s in (train, dev)])
@@ -384,7 +473,7 @@ def test_build_merges_reads_every_prefix_encoding_each_example_once(model):
     )
     for rec in choice.read:
         t = table.copy()
-        t[list(choice.ranked[: rec["size"]])] = target
+        t[list(ranked[: rec["size"]])] = targets[: rec["size"]]
         merged = selection.unflatten({**selection.flatten(params), WORD_TABLE: t})
         now = np.concatenate([predict(_bag_of_rows(merged, s)) for s in (train, dev)])
         cost, se = token_merge.paired_drop(right, now == pooled)

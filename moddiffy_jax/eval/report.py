@@ -165,15 +165,21 @@ def _token_merge_lines(merges: Mapping[str, Any]) -> list[str]:
     lines = [
         "",
         "`merge(<attribute>)`: a token-merge diff built on the core after "
-        "training (the attribute's most telling tokens, the attribute's "
-        "classes mixed, given one shared word row, as many as the task budget "
+        "training (the attribute's most telling tokens, in groups of "
+        "counterparts, one per class, each group given one word row "
+        "(`a+b`), or all given one shared row, as many as the task budget "
         "allows, stopping once the dev leakage reaches the stop level: the "
         "floor, or the asked-for share of the gap to it; "
         "`token_merge/<attribute>.safetensors`):",
         "",
     ]
     for attr, m in merges.items():
-        tokens = ", ".join(str(t) for t in m["tokens"]) or "none within budget"
+        words = (
+            ["+".join(map(str, g)) for g in m["groups"]]
+            if m.get("groups")
+            else m["tokens"]
+        )
+        tokens = ", ".join(str(t) for t in words) or "none within budget"
         line = (
             f"- {attr}: {m['merged']} of {m['candidates']} candidates ({tokens}); "
             f"dev floor {m['dev_floor']:.3f}"

@@ -90,20 +90,22 @@ def merge_diff(
 ) -> sparse_lib.SparseDiff:
     """The diff that sets each of ``token_ids``' word rows to ``target``.
 
-    Stored entries are ``target - row`` at the merged rows (an entry already
-    equal to the target is not stored); ``core + diff`` holds ``target`` in
-    every merged row, up to one rounding of the addition.
+    ``target`` is one row ``[H]`` for every token, or one row per token
+    ``[len(token_ids), H]`` (counterpart groups, each merged into its own
+    row). Stored entries are ``target - row`` at the merged rows (an entry
+    already equal to the target is not stored); ``core + diff`` holds the
+    target in every merged row, up to one rounding of the addition.
     """
     table = _table(encoder_params)
     ids = _ids(token_ids, table.shape[0])
     target = np.asarray(target, table.dtype)
-    if target.shape != table.shape[1:]:
+    if target.shape not in (table.shape[1:], (ids.size,) + table.shape[1:]):
         raise ValueError(
-            f"The target row has shape {target.shape}; the word table's rows "
-            f"have {table.shape[1:]}."
+            f"The target has shape {target.shape}; expected one word row "
+            f"{table.shape[1:]} or one per token {(ids.size,) + table.shape[1:]}."
         )
     delta = np.zeros_like(table)
-    delta[ids] = target[None, :] - table[ids]
+    delta[ids] = target - table[ids]
     return sparse_lib.SparseDiff.from_dense(
         selection.unflatten({WORD_TABLE: delta}),
         name=name,
@@ -283,6 +285,79 @@ def _presence(split: Any, ranked: np.ndarray) -> np.ndarray:
     return present
 
 
+def _classes(present: np.ndarray, attr: np.ndarray) -> np.ndarray:
+    """Each candidate's class: the one whose rate it raises most,
+    ``P(a = c | token) / P(a = c)`` (``present``: [N, candidates])."""
+    n_classes = int(attr.max()) + 1
+    share = np.bincount(attr, minlength=n_classes) / attr.size
+    lift = np.stack(
+        [
+            np.bincount(attr[present[:, i]], minlength=n_classes)
+            / max(int(present[:, i].sum()), 1)
+            for i in range(present.shape[1])
+        ]
+    ) / np.maximum(share, 1e-12)
+    return lift.argmax(1)
+
+
+def counterpart_groups(
+    split: Any, attribute: str, ranked: Sequence[int], table: np.ndarray
+) -> list[np.ndarray]:
+    """The candidates in groups of counterparts, one token per class.
+
+    Merging all candidates into one row leaves the merged row telling where
+    the tokens play different parts: with "she" and "his" merged (and "he",
+    "her" not), the shared row in a subject's place is "she" and in a
+    possessive's "his" (README command 1 with data.seed 4: the four tokens
+    she, his, sister, father moved gender's dev leakage from 0.971 to 0.968;
+    docs/efficacy.md, "Stop 33"). A group takes the best-ranked token left
+    and, for each other class of the attribute, the token of that class left
+    whose word row (in ``table``, the core's) is the most similar to it by
+    cosine, which pairs a word with its counterpart (she / he, sister /
+    brother, his / her; names with names). Each group is merged into its own
+    row (the mean of its rows), so a pronoun stays a pronoun. Groups come in
+    the order of their first token's rank; a token left without a
+    counterpart of another class (nothing to be merged with) is dropped.
+    Classes are as in :func:`merge_order`; counts are on ``split``.
+    """
+    ranked = np.asarray(ranked, np.int64).reshape(-1)
+    if ranked.size == 0:
+        return []
+    attr = np.asarray(split.attrs[attribute], np.int64)
+    klass = _classes(_presence(split, ranked), attr)
+    rows = np.asarray(table, np.float64)[ranked]
+    unit = rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
+    similar = unit @ unit.T
+    left, groups = list(range(ranked.size)), []
+    while left:
+        first = left[0]
+        group = [first]
+        for c in sorted(set(klass[left].tolist()) - {int(klass[first])}):
+            # max keeps the first of equals: the better-ranked counterpart.
+            group.append(
+                max((j for j in left if klass[j] == c), key=lambda j: similar[first, j])
+            )
+        for j in group:
+            left.remove(j)
+        if len(group) > 1:
+            groups.append(ranked[group])
+    return groups
+
+
+def group_rows(table: np.ndarray, groups: Sequence[np.ndarray]) -> np.ndarray:
+    """One target row per token of the concatenated ``groups``: the mean of
+    its group's rows in ``table``."""
+    table = np.asarray(table)
+    if not len(groups):
+        return np.zeros((0,) + table.shape[1:], table.dtype)
+    return np.concatenate(
+        [
+            np.repeat(table[g].astype(np.float64).mean(0, keepdims=True), len(g), 0)
+            for g in groups
+        ]
+    ).astype(table.dtype)
+
+
 def merge_order(
     split: Any, attribute: str, ranked: Sequence[int], how: str = "balanced"
 ) -> np.ndarray:
@@ -325,14 +400,7 @@ def merge_order(
         return ranked[_greedy_removal(present, task, attr)]
     n_classes = int(attr.max()) + 1
     share = np.bincount(attr, minlength=n_classes) / attr.size
-    lift = np.stack(
-        [
-            np.bincount(attr[present[:, i]], minlength=n_classes)
-            / max(int(present[:, i].sum()), 1)
-            for i in range(ranked.size)
-        ]
-    ) / np.maximum(share, 1e-12)
-    klass = lift.argmax(1)
+    klass = _classes(present, attr)
     order, union, left = [], np.zeros(attr.size, bool), list(range(ranked.size))
     while left:
         held = np.bincount(attr[union], minlength=n_classes) / np.maximum(share, 1e-12)
@@ -366,9 +434,12 @@ def _greedy_removal(present: np.ndarray, task: np.ndarray, attr: np.ndarray) -> 
     return order
 
 
-#: How :func:`build_merges` orders the candidates: ``balanced`` or
-#: ``greedy`` (:func:`merge_order`), or ``information`` (the ranking alone).
-ORDERS = ("balanced", "greedy", "information")
+#: How :func:`build_merges` orders the candidates: ``counterparts``
+#: (groups of counterpart tokens, each merged into its own row:
+#: :func:`counterpart_groups`), ``balanced`` or ``greedy`` (:func:`merge_order`),
+#: or ``information`` (the ranking alone); all but ``counterparts`` merge
+#: into one shared row.
+ORDERS = ("counterparts", "balanced", "greedy", "information")
 
 # Prefix sizes read by :func:`build_merges` (then the whole candidate list).
 COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -390,6 +461,8 @@ class MergeChoice:
       start: the core's leakage read by the dev probe (None without the
         floor stop).
       stop_at: the dev leakage at which the scan stopped merging more.
+      groups: the sizes of the counterpart groups ``ranked`` is made of
+        (empty when all merged tokens share one row).
     """
 
     attribute: str
@@ -401,20 +474,30 @@ class MergeChoice:
     diff: sparse_lib.SparseDiff | None
     start: float | None = None
     stop_at: float | None = None
+    groups: tuple[int, ...] = ()
 
     def summary(self, tokenizer=None) -> dict[str, Any]:
         """A JSON-ready record (tokens as text with ``tokenizer``)."""
         ids = list(self.ranked[: self.merged])
-        return {
+        tokens = tokenizer.convert_ids_to_tokens(ids) if tokenizer else ids
+        out = {
             "candidates": len(self.ranked),
             "merged": self.merged,
-            "tokens": tokenizer.convert_ids_to_tokens(ids) if tokenizer else ids,
+            "tokens": tokens,
             "dev_floor": self.floor,
             "tolerance": self.tolerance,
             "dev_start": self.start,
             "stop_at": self.stop_at,
             "read": self.read,
         }
+        if self.groups:
+            ends = np.cumsum(self.groups)
+            out["groups"] = [
+                tokens[end - size : end]
+                for size, end in zip(self.groups, ends, strict=True)
+                if end <= self.merged
+            ]
+        return out
 
 
 def changed_rows(split: Any, token_ids: Sequence[int]) -> np.ndarray:
@@ -493,7 +576,7 @@ def build_merges(
     floor_z: float = 1.0,
     target: float = 0.75,
     leakage_probe: Callable[..., float] | None = None,
-    order: str = "balanced",
+    order: str = "counterparts",
     every_size: bool = True,
     info: Mapping[str, Any] | None = None,
 ) -> dict[str, MergeChoice]:
@@ -502,12 +585,14 @@ def build_merges(
     Ranks the tokens by ``I(token present; attribute | task label)`` on
     ``train_split`` (:func:`~moddiffy_jax.methods.word_rows.attribute_tokens`,
     at most ``candidates``, each at least ``share`` of the best), orders them
-    (``order``: ``balanced`` or ``greedy``, :func:`merge_order`, or
-    ``information``, the ranking as it is), reads the task cost of merging
-    each prefix (every size, or with ``every_size=False`` the sizes in
-    :data:`COUNTS`; a prefix re-encodes only the examples holding the token
-    it adds, so every size costs one encoding of the examples the candidates
-    touch) (the
+    (``order``: ``counterparts``, the default, groups of one token per class
+    each merged into its own row, :func:`counterpart_groups`; ``balanced``
+    or ``greedy``, :func:`merge_order`, or ``information``, the ranking as
+    it is, all merged into the candidates' mean row), reads the task cost of
+    merging each prefix (every whole group; otherwise every size, or with
+    ``every_size=False`` the sizes in :data:`COUNTS`; a prefix re-encodes
+    only the examples holding the tokens it adds, so all prefixes cost one
+    encoding of the examples the candidates touch) (the
     run's own head through ``predict``; accuracy points lost on the first
     ``select_train`` training examples and the dev split, pooled, with the
     standard error of that paired difference) and chooses the prefix with
@@ -580,17 +665,30 @@ def build_merges(
         ranked = word_rows.attribute_tokens(
             train_split, [attr], candidates, share, table.shape[0]
         )[attr]
-        if order != "information":
+        parts = []
+        if order == "counterparts":
+            parts = counterpart_groups(train_split, attr, ranked, table)
+            ranked = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        elif order != "information":
             ranked = merge_order(train_split, attr, ranked, order)
+        groups = tuple(len(g) for g in parts)
         y_tr, y_dev = np.asarray(select.attrs[attr]), np.asarray(dev_split.attrs[attr])
         floor, tolerance = dev_floor(select, dev_split, attr, num_classes, floor_z)
         if len(ranked) == 0:
             out[attr] = MergeChoice(attr, (), 0, floor, tolerance, [], None)
             continue
-        shared_row = merge_target(core, ranked)
+        # The row each candidate takes when merged: its group's mean, or the
+        # candidates' mean shared by all.
+        targets = (
+            group_rows(table, parts)
+            if parts
+            else np.broadcast_to(
+                merge_target(core, ranked), (len(ranked),) + table.shape[1:]
+            )
+        )
         cache: dict[int, tuple] = {}
 
-        def reading(ids, shared_row=shared_row, cache=cache):
+        def reading(ids, targets=targets, cache=cache):
             # The longest shorter prefix read already gives every example
             # that holds none of the tokens this one adds.
             k = len(ids)
@@ -598,7 +696,7 @@ def build_merges(
                 done = max((j for j in cache if j < k), default=0)
                 bases = cache[done][1:] if done else core_h
                 t = table.copy()
-                t[ids] = shared_row
+                t[ids] = targets[:k]
                 params = selection.unflatten({**flat_core, WORD_TABLE: t})
                 right, h_tr, h_dev = measure(params, ids[done:], bases)
                 cache[k] = (paired_drop(core_right, right), h_tr, h_dev)
@@ -608,11 +706,12 @@ def build_merges(
             _, h_tr, h_dev = reading(ids)
             return probe(h_tr, y_tr, h_dev, y_dev, int(c))
 
-        counts = (
-            list(range(1, len(ranked) + 1))
-            if every_size
-            else [c for c in COUNTS if c < len(ranked)] + [len(ranked)]
-        )
+        if parts:  # whole groups only: half a pair is still a marker
+            counts = [int(c) for c in np.cumsum(groups)]
+        elif every_size:
+            counts = list(range(1, len(ranked) + 1))
+        else:
+            counts = [c for c in COUNTS if c < len(ranked)] + [len(ranked)]
         start = stop_at = None
         stop = {}
         if floor_stop:
@@ -633,12 +732,12 @@ def build_merges(
             diff = merge_diff(
                 core,
                 ranked[:k],
-                shared_row,
+                targets[:k],
                 name=attr,
                 info={"max_drop": max_drop, **dict(info or {})},
             )
         ranked_ids = tuple(int(t) for t in ranked)
         out[attr] = MergeChoice(
-            attr, ranked_ids, k, floor, tolerance, read, diff, start, stop_at
+            attr, ranked_ids, k, floor, tolerance, read, diff, start, stop_at, groups
         )
     return out
