@@ -172,7 +172,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--order",
-        default="balanced",
+        default="counterparts",
         choices=token_merge_lib.ORDERS,
         help="candidate order (token_merge.build_merges' order)",
     )

@@ -186,18 +186,17 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.eval.inlp = True
     # Token-merge diffs built on the core after training and added to the
     # composition matrix (methods/token_merge.py; text encoders only): each
-    # attribute's most telling tokens, in groups of counterparts (she / he)
-    # each merged into one word row, as many as max_drop task points allow:
+    # attribute's most telling tokens, in groups of counterparts (she / he),
+    # given one shared word row, as many as max_drop task points allow:
     # the cost read on select_train train + dev
     # examples, plus cost_z of its standard errors (1.64: the read's one-sided
     # 95% bound; docs/efficacy.md, "Stop 33"); stopping where the dev
     # leakage is within floor_z standard errors of the attribute's floor or
     # has closed target of the gap from the core's to it. order
-    # "counterparts" merges groups of one token per class (nearest word rows),
-    # each group into its own row; "balanced" interleaves the attribute's
-    # classes into one shared row ("greedy": a count estimate of the
-    # removal; "information": the ranking alone); every_size reads each
-    # prefix size (counterparts: each whole group).
+    # "counterparts" merges whole groups of one token per class (nearest
+    # word rows); "balanced" interleaves the attribute's classes ("greedy": a
+    # count estimate of the removal; "information": the ranking alone);
+    # every_size reads each prefix size (counterparts: each whole group).
     c.eval.token_merge = ml_collections.ConfigDict(
         {
             "enabled": False,

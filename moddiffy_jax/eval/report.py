@@ -166,9 +166,9 @@ def _token_merge_lines(merges: Mapping[str, Any]) -> list[str]:
         "",
         "`merge(<attribute>)`: a token-merge diff built on the core after "
         "training (the attribute's most telling tokens, in groups of "
-        "counterparts, one per class, each group given one word row "
-        "(`a+b`), or all given one shared row, as many as the task budget "
-        "allows, stopping once the dev leakage reaches the stop level: the "
+        "counterparts, one per class (`a+b`), given one shared word row, as "
+        "many as the task budget allows, stopping once the dev leakage "
+        "reaches the stop level: the "
         "floor, or the asked-for share of the gap to it; "
         "`token_merge/<attribute>.safetensors`):",
         "",

@@ -314,11 +314,11 @@ def counterpart_groups(
     and, for each other class of the attribute, the token of that class left
     whose word row (in ``table``, the core's) is the most similar to it by
     cosine, which pairs a word with its counterpart (she / he, sister /
-    brother, his / her; names with names). Each group is merged into its own
-    row (the mean of its rows), so a pronoun stays a pronoun. Groups come in
-    the order of their first token's rank; a token left without a
-    counterpart of another class (nothing to be merged with) is dropped.
-    Classes are as in :func:`merge_order`; counts are on ``split``.
+    brother, his / her; names with names), so a prefix of whole groups
+    merges both sides of every part it touches. Groups come in the order of
+    their first token's rank; a token left without a counterpart of another
+    class (nothing to be merged with) is dropped. Classes are as in
+    :func:`merge_order`; counts are on ``split``.
     """
     ranked = np.asarray(ranked, np.int64).reshape(-1)
     if ranked.size == 0:
@@ -342,20 +342,6 @@ def counterpart_groups(
         if len(group) > 1:
             groups.append(ranked[group])
     return groups
-
-
-def group_rows(table: np.ndarray, groups: Sequence[np.ndarray]) -> np.ndarray:
-    """One target row per token of the concatenated ``groups``: the mean of
-    its group's rows in ``table``."""
-    table = np.asarray(table)
-    if not len(groups):
-        return np.zeros((0,) + table.shape[1:], table.dtype)
-    return np.concatenate(
-        [
-            np.repeat(table[g].astype(np.float64).mean(0, keepdims=True), len(g), 0)
-            for g in groups
-        ]
-    ).astype(table.dtype)
 
 
 def merge_order(
@@ -435,10 +421,9 @@ def _greedy_removal(present: np.ndarray, task: np.ndarray, attr: np.ndarray) -> 
 
 
 #: How :func:`build_merges` orders the candidates: ``counterparts``
-#: (groups of counterpart tokens, each merged into its own row:
-#: :func:`counterpart_groups`), ``balanced`` or ``greedy`` (:func:`merge_order`),
-#: or ``information`` (the ranking alone); all but ``counterparts`` merge
-#: into one shared row.
+#: (whole groups of counterpart tokens: :func:`counterpart_groups`),
+#: ``balanced`` or ``greedy`` (:func:`merge_order`), or ``information`` (the
+#: ranking alone). Every merged token takes the candidates' mean row.
 ORDERS = ("counterparts", "balanced", "greedy", "information")
 
 # Prefix sizes read by :func:`build_merges` (then the whole candidate list).
@@ -462,7 +447,7 @@ class MergeChoice:
         floor stop).
       stop_at: the dev leakage at which the scan stopped merging more.
       groups: the sizes of the counterpart groups ``ranked`` is made of
-        (empty when all merged tokens share one row).
+        (empty for the other orders).
     """
 
     attribute: str
@@ -585,10 +570,10 @@ def build_merges(
     Ranks the tokens by ``I(token present; attribute | task label)`` on
     ``train_split`` (:func:`~moddiffy_jax.methods.word_rows.attribute_tokens`,
     at most ``candidates``, each at least ``share`` of the best), orders them
-    (``order``: ``counterparts``, the default, groups of one token per class
-    each merged into its own row, :func:`counterpart_groups`; ``balanced``
-    or ``greedy``, :func:`merge_order`, or ``information``, the ranking as
-    it is, all merged into the candidates' mean row), reads the task cost of
+    (``order``: ``counterparts``, the default, whole groups of one token per
+    class, :func:`counterpart_groups`; ``balanced`` or ``greedy``,
+    :func:`merge_order`, or ``information``, the ranking as it is; every
+    merged token takes the candidates' mean row), reads the task cost of
     merging each prefix (every whole group; otherwise every size, or with
     ``every_size=False`` the sizes in :data:`COUNTS`; a prefix re-encodes
     only the examples holding the tokens it adds, so all prefixes cost one
@@ -677,14 +662,11 @@ def build_merges(
         if len(ranked) == 0:
             out[attr] = MergeChoice(attr, (), 0, floor, tolerance, [], None)
             continue
-        # The row each candidate takes when merged: its group's mean, or the
-        # candidates' mean shared by all.
-        targets = (
-            group_rows(table, parts)
-            if parts
-            else np.broadcast_to(
-                merge_target(core, ranked), (len(ranked),) + table.shape[1:]
-            )
+        # Every merged candidate takes the candidates' mean row (with the
+        # counterparts' order too: their own groups' rows cost more on three
+        # of four data samples; docs/efficacy.md, "Stop 33").
+        targets = np.broadcast_to(
+            merge_target(core, ranked), (len(ranked),) + table.shape[1:]
         )
         cache: dict[int, tuple] = {}
 
