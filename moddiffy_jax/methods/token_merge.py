@@ -20,10 +20,12 @@ differ, so they add exactly.
 
 Which tokens: the candidates are :mod:`~moddiffy_jax.methods.word_rows`'s
 ranking (``I(token present; attribute | task label)`` on the training
-split), reordered by :func:`merge_order` so that each prefix mixes the
-attribute's classes (two merged male names are still a male marker);
-:func:`choose_count` takes the longest prefix whose task cost on a held-out
-split stays within a budget. Merging all of an
+split), taken in groups of counterparts, one token per class
+(:func:`counterpart_groups`: she / he, so that the merged row is neither a
+marker of one class, as two merged male names would be, nor of the part a
+word plays), or reordered by :func:`merge_order`; :func:`choose_count`
+takes the longest prefix whose task cost on a held-out split stays within
+a budget. Merging all of an
 attribute's markers removes what the core's head read from them too; where
 the attribute predicts the task beyond the text, the budget is what keeps
 the task (a partial merge removes the attribute from the examples holding
@@ -91,8 +93,8 @@ def merge_diff(
     """The diff that sets each of ``token_ids``' word rows to ``target``.
 
     ``target`` is one row ``[H]`` for every token, or one row per token
-    ``[len(token_ids), H]`` (counterpart groups, each merged into its own
-    row). Stored entries are ``target - row`` at the merged rows (an entry
+    ``[len(token_ids), H]`` (e.g. each group of counterparts its own mean).
+    Stored entries are ``target - row`` at the merged rows (an entry
     already equal to the target is not stored); ``core + diff`` holds the
     target in every merged row, up to one rounding of the addition.
     """
@@ -665,12 +667,10 @@ def build_merges(
         # Every merged candidate takes the candidates' mean row (with the
         # counterparts' order too: their own groups' rows cost more on three
         # of four data samples; docs/efficacy.md, "Stop 33").
-        targets = np.broadcast_to(
-            merge_target(core, ranked), (len(ranked),) + table.shape[1:]
-        )
+        shared_row = merge_target(core, ranked)
         cache: dict[int, tuple] = {}
 
-        def reading(ids, targets=targets, cache=cache):
+        def reading(ids, shared_row=shared_row, cache=cache):
             # The longest shorter prefix read already gives every example
             # that holds none of the tokens this one adds.
             k = len(ids)
@@ -678,7 +678,7 @@ def build_merges(
                 done = max((j for j in cache if j < k), default=0)
                 bases = cache[done][1:] if done else core_h
                 t = table.copy()
-                t[ids] = targets[:k]
+                t[ids] = shared_row
                 params = selection.unflatten({**flat_core, WORD_TABLE: t})
                 right, h_tr, h_dev = measure(params, ids[done:], bases)
                 cache[k] = (paired_drop(core_right, right), h_tr, h_dev)
@@ -714,7 +714,7 @@ def build_merges(
             diff = merge_diff(
                 core,
                 ranked[:k],
-                targets[:k],
+                shared_row,
                 name=attr,
                 info={"max_drop": max_drop, **dict(info or {})},
             )
