@@ -407,14 +407,6 @@ def test_counterparts_merge_where_one_shared_row_stays_telling(model):
     # Both counterpart groups merged: nothing left to read.
     order = np.concatenate(groups)
     assert leakage(order, token_merge.merge_target(params, order)) < 0.6
-    # The diff may also give each token its own row.
-    rows = table[order[::-1]]
-    diff = token_merge.merge_diff(params, order, rows, name="a")
-    merged = sparse_lib.apply_diffs(params, [diff])
-    merged = np.asarray(selection.flatten(merged)[WORD_TABLE])
-    np.testing.assert_allclose(merged[order], rows, atol=1e-6)
-    with pytest.raises(ValueError, match="one per token"):
-        token_merge.merge_diff(params, order, rows[:3], name="a")
     # A token with no counterpart of the other class left is not merged.
     assert token_merge.counterpart_groups(train, "a", [20, 21, 22], table)[-1].size == 2
     assert len(token_merge.counterpart_groups(train, "a", [20, 21, 22], table)) == 1

@@ -92,22 +92,20 @@ def merge_diff(
 ) -> sparse_lib.SparseDiff:
     """The diff that sets each of ``token_ids``' word rows to ``target``.
 
-    ``target`` is one row ``[H]`` for every token, or one row per token
-    ``[len(token_ids), H]`` (e.g. each group of counterparts its own mean).
-    Stored entries are ``target - row`` at the merged rows (an entry
-    already equal to the target is not stored); ``core + diff`` holds the
-    target in every merged row, up to one rounding of the addition.
+    Stored entries are ``target - row`` at the merged rows (an entry already
+    equal to the target is not stored); ``core + diff`` holds ``target`` in
+    every merged row, up to one rounding of the addition.
     """
     table = _table(encoder_params)
     ids = _ids(token_ids, table.shape[0])
     target = np.asarray(target, table.dtype)
-    if target.shape not in (table.shape[1:], (ids.size,) + table.shape[1:]):
+    if target.shape != table.shape[1:]:
         raise ValueError(
-            f"The target has shape {target.shape}; expected one word row "
-            f"{table.shape[1:]} or one per token {(ids.size,) + table.shape[1:]}."
+            f"The target row has shape {target.shape}; the word table's rows "
+            f"have {table.shape[1:]}."
         )
     delta = np.zeros_like(table)
-    delta[ids] = target - table[ids]
+    delta[ids] = target[None, :] - table[ids]
     return sparse_lib.SparseDiff.from_dense(
         selection.unflatten({WORD_TABLE: delta}),
         name=name,
