@@ -247,6 +247,42 @@ def test_deterministic_and_dropout_modes(tiny):
         encode(config, params, b, deterministic=False)
 
 
+def test_fused_dropout_is_flax_dropout(tiny, monkeypatch):
+    """The encoder's and heads' Dropout (mask through the fusible hash) gives
+    flax.linen.Dropout's outputs and gradients bit for bit, training mode."""
+    import flax.linen as nn
+
+    from moddiffy_jax.models import bert_model, heads
+
+    config, params = tiny
+    b = tiny_batch(config)
+    ids, mask = jnp.asarray(b["input_ids"]), jnp.asarray(b["attention_mask"])
+    head = heads.ClassifierHead(num_outputs=3, num_hidden=1, dropout=0.3)
+    head_params = head.init(key(3), jnp.zeros((1, config.hidden_size)))["params"]
+
+    def loss(p, hp, deterministic=False):
+        rngs = {"dropout": key(7)}
+        h = bert.BertEncoder(config).apply(
+            {"params": p}, ids, mask, deterministic=deterministic, rngs=rngs
+        )
+        out = head.apply(
+            {"params": hp},
+            h.last_hidden_state[:, 0],
+            deterministic=deterministic,
+            rngs=rngs,
+        )
+        return jnp.sum(out**2), out
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
+    ours = grad(params, head_params)
+    monkeypatch.setattr(bert_model, "Dropout", nn.Dropout)
+    monkeypatch.setattr(heads, "Dropout", nn.Dropout)
+    theirs = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(params, head_params)
+    assert not np.allclose(ours[1], loss(params, head_params, True)[1])  # on
+    for o, t in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_array_equal(o, t)
+
+
 def test_scanned_layers_match_unrolled(tiny):
     """``scan_layers`` runs one compiled layer body over stacked params: the
     same values and gradients as the unrolled stack, the same param tree."""

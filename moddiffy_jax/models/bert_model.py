@@ -46,6 +46,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from moddiffy_jax.models.dropout import Dropout
+
 PyTree = Any
 Dtype = Any
 
@@ -338,7 +340,7 @@ class BertEmbeddings(nn.Module):
         x = x + embed(cfg.max_position_embeddings, "position_embeddings")(positions)
         x = x + embed(cfg.type_vocab_size, "token_type_embeddings")(token_type_ids)
         x = _layer_norm(cfg, self.dtype, self.param_dtype)(x)
-        return nn.Dropout(cfg.hidden_dropout_prob)(x, deterministic=deterministic)
+        return Dropout(cfg.hidden_dropout_prob)(x, deterministic=deterministic)
 
 
 class BertSelfAttention(nn.Module):
@@ -366,7 +368,7 @@ class BertSelfAttention(nn.Module):
         # Softmax in float32 whatever the compute dtype; the bias is float32 so a
         # large negative never overflows a bfloat16 range.
         probs = jax.nn.softmax(scores.astype(jnp.float32) + mask_bias, axis=-1)
-        probs = nn.Dropout(cfg.attention_probs_dropout_prob)(
+        probs = Dropout(cfg.attention_probs_dropout_prob)(
             probs.astype(self.dtype), deterministic=deterministic
         )
         context = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
@@ -384,7 +386,7 @@ class _DenseDropoutLayerNorm(nn.Module):
     def __call__(self, x, residual, *, deterministic: bool, adapter=None):
         cfg = self.config
         h = _dense(cfg, cfg.hidden_size, "dense", self.dtype, self.param_dtype)(x)
-        h = nn.Dropout(cfg.hidden_dropout_prob)(h, deterministic=deterministic)
+        h = Dropout(cfg.hidden_dropout_prob)(h, deterministic=deterministic)
         if adapter is not None:
             h = adapter(h)
         return _layer_norm(cfg, self.dtype, self.param_dtype)(h + residual)

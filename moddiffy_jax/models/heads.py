@@ -18,6 +18,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from moddiffy_jax.models.dropout import Dropout
+
 Dtype = Any
 
 
@@ -96,12 +98,12 @@ class ClassifierHead(nn.Module):
         """
         width = self.hidden_size or x.shape[-1]
         for i in range(self.num_hidden):
-            x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
+            x = Dropout(self.dropout)(x, deterministic=deterministic)
             x = torch_dense(
                 width, fan_in=x.shape[-1], name=f"hidden_{i}", dtype=self.dtype
             )(x)
             x = jnp.tanh(x)
-        x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
+        x = Dropout(self.dropout)(x, deterministic=deterministic)
         return torch_dense(
             self.num_outputs, fan_in=x.shape[-1], name="output", dtype=self.dtype
         )(x)
