@@ -17,7 +17,11 @@ processes:
 
 MiniLM, batch 32 x 32 tokens, two attributes, float32 unless ``--dtype``.
 The reference times its step with 2 torch threads (ref_bench.py); ours uses
-XLA's CPU thread pool (all cores). Usage::
+XLA's CPU thread pool (all cores). Importing moddiffy_jax sets glibc's
+malloc to keep freed memory (``moddiffy_jax/hostmem.py``); the reference
+runs with glibc's defaults unless ``--ref_keep_freed_memory`` gives it the
+same settings (the like-for-like reading; ``--no_keep_freed_memory`` turns
+ours off). Usage::
 
     python benchmarks/bench_vs_reference.py \
         --ref_python /path/torch-venv/bin/python \
@@ -58,8 +62,13 @@ def reference_step(args) -> dict | None:
         str(args.length),
         str(args.ref_steps),
     ]
+    env = dict(os.environ)
+    if args.ref_keep_freed_memory:  # the malloc settings moddiffy_jax sets itself
+        from moddiffy_jax import hostmem
+
+        env["GLIBC_TUNABLES"] = hostmem.GLIBC_TUNABLES
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     match = _REF_LINE.search(out.stdout)
     if match is None:
         print(f"reference failed:\n{out.stdout[-1000:]}\n{out.stderr[-2000:]}")
@@ -168,6 +177,17 @@ def main():
     parser.add_argument("--steps", type=int, default=8, help="our timed steps")
     parser.add_argument("--ref_steps", type=int, default=6)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--ref_keep_freed_memory",
+        action="store_true",
+        help="run the reference with the glibc malloc settings moddiffy_jax "
+        "sets on import (hostmem.GLIBC_TUNABLES): the like-for-like reading",
+    )
+    parser.add_argument(
+        "--no_keep_freed_memory",
+        action="store_true",
+        help="run ours with MODDIFFY_JAX_KEEP_FREED_MEMORY=0 (glibc defaults)",
+    )
     parser.add_argument("--out", default="benchmarks/vs_reference.jsonl")
     args = parser.parse_args()
     for path, what in (
@@ -178,16 +198,25 @@ def main():
     ):
         if not os.path.exists(path):
             parser.error(f"{what} {path} does not exist")
+    if args.no_keep_freed_memory:  # inherited by our step subprocesses
+        os.environ["MODDIFFY_JAX_KEEP_FREED_MEMORY"] = "0"
+    malloc = {
+        "ours_keep_freed_memory": not args.no_keep_freed_memory,
+        "ref_keep_freed_memory": args.ref_keep_freed_memory,
+    }
     stamp, machine = bench_steps.stamp_and_machine()
     rows = []
     for i in range(args.rounds):
         row = one_round(args, i) | {"date": stamp, "machine": machine}
         row |= {"batch": args.batch, "length": args.length, "dtype": args.dtype}
+        row |= malloc
         rows.append(row)
         bench_steps.append_jsonl(args.out, row)
     print(
         f"\n{machine}, {stamp}, MiniLM, batch {args.batch}x{args.length}, "
-        f"{args.dtype}\n"
+        f"{args.dtype}; malloc keeps freed memory: ours "
+        f"{malloc['ours_keep_freed_memory']}, reference "
+        f"{malloc['ref_keep_freed_memory']}\n"
     )
     print(table(rows))
 

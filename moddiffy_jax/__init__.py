@@ -7,3 +7,11 @@ the Flax BERT that they apply to.
 """
 
 __version__ = "0.1.0"
+
+# Before any JAX computation: XLA's per-step temporary arena reuses its pages
+# instead of faulting them in again every step (moddiffy_jax/hostmem.py;
+# MODDIFFY_JAX_KEEP_FREED_MEMORY=0 turns it off).
+from moddiffy_jax import hostmem as _hostmem  # noqa: E402
+
+if _hostmem.enabled_by_env():
+    _hostmem.keep_freed_memory()
