@@ -12,10 +12,19 @@ import pathlib
 _CACHE = pathlib.Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax"
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-    ).strip()
+# LLVM without optimisation, and XLA's older loop emitters instead of the
+# fusion emitters: on the tiny models compiling is most of a test's time,
+# and the older emitters compile the tiny MoDDiffy-par step's three programs
+# 30% faster (9.9 -> 6.9 s of XLA compile) and the whole suite in 7.6
+# instead of 11.2 minutes (2-core CPU, empty cache, stop 35). Tests only:
+# at the default level they make the MiniLM step slower to compile and to
+# run (docs/speed.md).
+for _flag in (
+    "--xla_backend_optimization_level=0",
+    "--xla_cpu_use_fusion_emitters=false",
+):
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 # Every program, however small: the command-line subprocesses of the run
 # tests compile ~110 small ones each (4.3 s read back against 7.9 s with a

@@ -303,8 +303,13 @@ def test_scanned_layers_match_unrolled(tiny):
     unrolled = jax.grad(loss)(params, False)
     scanned = jax.grad(loss)(params, True)
     assert jax.tree.structure(unrolled) == jax.tree.structure(scanned)
+    # Against the largest gradient of the whole tree: an embedding leaf whose
+    # gradient cancels to about 1e-6 differs by float32 rounding of that size
+    # when XLA fuses the same sums another way (seen with the tests' compile
+    # settings, tests/conftest.py).
+    scale = max(float(np.abs(u).max()) for u in jax.tree.leaves(unrolled))
     for u, s in zip(jax.tree.leaves(unrolled), jax.tree.leaves(scanned), strict=True):
-        np.testing.assert_allclose(s, u, atol=1e-5 * (1 + float(np.abs(u).max())))
+        np.testing.assert_allclose(s, u, atol=1e-5 * (1 + scale))
     # Init under scan gives the unrolled names (checkpoints and diffs unchanged).
     inited = bert.BertEncoder(config, scan_layers=True).init(
         key(0), ids, mask, deterministic=True

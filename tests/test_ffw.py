@@ -337,6 +337,24 @@ def test_temperature_controller_scripted_sequence():
     assert changed_at == [7, 13]
 
 
+def test_a_negative_mi_reading_is_rounding_not_an_improvement():
+    """An MI of about 0 read as -1e-9 (float32 rounding) is taken as 0: with
+    threshold 1 every epoch after the first is bad, as the config says."""
+    state = ffw.TemperatureState(1.0)
+    kw = {"factor": 0.1, "patience": 0, "threshold": 1.0}
+    state, _ = ffw.step_temperature(state, 1e-7, **kw)
+    state, changed = ffw.step_temperature(state, -3e-10, **kw)
+    assert changed and state.temperature == pytest.approx(0.1)
+    assert state.best == pytest.approx(1e-7)  # kept, not replaced by -3e-10
+    # A real improvement still counts (threshold 0.05).
+    state = ffw.TemperatureState(1.0)
+    state, _ = ffw.step_temperature(state, 0.5, factor=0.1, patience=0, threshold=0.05)
+    state, changed = ffw.step_temperature(
+        state, 0.1, factor=0.1, patience=0, threshold=0.05
+    )
+    assert not changed and state.best == pytest.approx(0.1)
+
+
 def test_geometric_schedule_reaches_its_final_temperature():
     kw = {"tau0": 1.0, "tau_end": 1e-3, "anneal_epochs": 6}
     temps = [ffw.geometric_temperature(e, **kw) for e in range(9)]

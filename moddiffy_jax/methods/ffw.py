@@ -239,10 +239,15 @@ def step_temperature(
     ``best = metric``. After more than ``patience`` bad epochs in a row,
     ``T <- factor * T`` and the count restarts; ``best`` is kept.
 
+    The plug-in MI is never below 0; a reading below 0 is float32 rounding
+    of an MI of about 0 and is taken as 0, so that rounding alone never
+    counts as an improvement (the reference compares the raw reading;
+    docs/differences.md).
+
     Returns:
       ``(new_state, changed)``.
     """
-    metric = float(metric)
+    metric = max(float(metric), 0.0)
     if state.best is None:
         return dataclasses.replace(state, best=metric, num_bad=0), False
     if metric >= (1.0 - threshold) * state.best or state.best < 0:
