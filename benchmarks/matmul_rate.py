@@ -6,7 +6,8 @@ MiniLM forward-backward pass at batch 32 x 32 (1,024 tokens) one by one in
 JAX (XLA's CPU dot, as the library's steps use it) and, when
 ``--torch_python`` names a torch venv, the same dots in torch (oneDNN / MKL,
 as the official code uses them), and prints the rate of each and the
-seconds the pass's matmuls take at that rate. Measured, never asserted::
+seconds the pass's matmuls take at that rate (``--dtypes float32,bfloat16``
+for bf16 inputs too). Measured, never asserted::
 
     python benchmarks/matmul_rate.py --torch_python /path/torch-venv/bin/python
 
@@ -58,7 +59,7 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def time_dots(framework: str, repeats: int) -> dict:
+def time_dots(framework: str, repeats: int, dtype: str = "float32") -> dict:
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -70,8 +71,8 @@ def time_dots(framework: str, repeats: int) -> dict:
 
         dot = jax.jit(jnp.matmul)
         for m, k, n in shapes:
-            a = jnp.asarray(rng.standard_normal((m, k), np.float32))
-            b = jnp.asarray(rng.standard_normal((k, n), np.float32))
+            a = jnp.asarray(rng.standard_normal((m, k), np.float32), dtype)
+            b = jnp.asarray(rng.standard_normal((k, n), np.float32), dtype)
             seconds[(m, k, n)] = _median_seconds(
                 lambda a=a, b=b: dot(a, b).block_until_ready(), repeats
             )
@@ -83,12 +84,13 @@ def time_dots(framework: str, repeats: int) -> dict:
         for m, k, n in shapes:
             a = torch.from_numpy(rng.standard_normal((m, k), np.float32))
             b = torch.from_numpy(rng.standard_normal((k, n), np.float32))
+            a, b = a.to(getattr(torch, dtype)), b.to(getattr(torch, dtype))
             seconds[(m, k, n)] = _median_seconds(lambda a=a, b=b: a @ b, repeats)
         version = f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     flops = sum(2 * c * m * k * n for c, m, k, n in pass_dots()) * LAYERS
     pass_s = sum(c * seconds[(m, k, n)] for c, m, k, n in pass_dots()) * LAYERS
     return {
-        "framework": version,
+        "framework": f"{version}, {dtype}",
         "pass_gflop": flops / 1e9,
         "pass_matmul_s": pass_s,
         "gflops": flops / pass_s / 1e9,
@@ -103,21 +105,25 @@ def main():
     parser.add_argument("--framework", default="jax", choices=("jax", "torch"))
     parser.add_argument("--torch_python", default="")
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument(
+        "--dtypes", default="float32", help="comma-separated: float32,bfloat16"
+    )
     parser.add_argument("--json", action="store_true", help="one JSON line only")
     args = parser.parse_args()
-    rows = [time_dots(args.framework, args.repeats)]
+    dtypes = args.dtypes.split(",")
+    rows = [time_dots(args.framework, args.repeats, d) for d in dtypes]
     if args.json:
-        print(json.dumps(rows[0]))
+        print(json.dumps(rows))
         return
     if args.torch_python:
         out = subprocess.run(
             [args.torch_python, __file__, "--framework=torch", "--json"]
-            + [f"--repeats={args.repeats}"],
+            + [f"--repeats={args.repeats}", f"--dtypes={args.dtypes}"],
             capture_output=True,
             text=True,
             check=True,
         )
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        rows += json.loads(out.stdout.strip().splitlines()[-1])
     print(
         "| framework | GFLOP per pass | matmul s per pass | GFLOP/s | x 3 passes (s) |"
     )

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from moddiffy_jax.models.dropout import Dropout
+from moddiffy_jax.models.mixed_dot import dense_dot_general
 
 PyTree = Any
 Dtype = Any
@@ -248,6 +249,7 @@ def _dense(config: BertConfig, features: int, name: str, dtype, param_dtype):
         dtype=dtype,
         param_dtype=param_dtype,
         kernel_init=nn.initializers.normal(config.initializer_range),
+        dot_general=dense_dot_general,
         name=name,
     )
 
@@ -451,6 +453,7 @@ class BottleneckAdapter(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             kernel_init=nn.initializers.normal(self.initializer_range),
+            dot_general=dense_dot_general,
             name="down",
         )
         up = nn.Dense(
@@ -458,6 +461,7 @@ class BottleneckAdapter(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             kernel_init=nn.initializers.zeros,
+            dot_general=dense_dot_general,
             name="up",
         )
         return h + up(nn.relu(down(h)))

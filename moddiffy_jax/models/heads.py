@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from moddiffy_jax.models.dropout import Dropout
+from moddiffy_jax.models.mixed_dot import dense_dot_general
 
 Dtype = Any
 
@@ -59,6 +60,7 @@ def torch_dense(features: int, *, fan_in: int, name: str | None = None, **kwargs
         features,
         kernel_init=torch_linear_kernel_init(),
         bias_init=torch_linear_bias_init(fan_in),
+        dot_general=dense_dot_general,
         name=name,
         **kwargs,
     )
