@@ -62,9 +62,10 @@ def test_bf16_sums_in_float32_forward_and_backward():
 
 
 def test_bf16_encoder_step_has_only_float32_accumulating_dense_dots(tiny):
-    """In a bf16 encoder's forward-backward pass every Dense dot takes bf16 inputs and accumulates in float32: the fast CPU path
-    (a bf16 x bf16 -> bf16 dot, or a mixed bf16 x float32 one, runs at the
-    float32 rate on the project's CPU)."""
+    """In a bf16 encoder's forward-backward pass every Dense dot takes bf16
+    inputs and accumulates in float32: the fast CPU path (a bf16 x bf16 ->
+    bf16 dot, or a mixed bf16 x float32 one, runs at the float32 rate on
+    the project's CPU)."""
     config, params = tiny
     ids = jnp.ones((2, 8), jnp.int32)
     mask = jnp.ones((2, 8), jnp.int32)
