@@ -15,7 +15,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # LLVM without optimisation, and XLA's older loop emitters instead of the
 # fusion emitters: on the tiny models compiling is most of a test's time,
 # and the older emitters compile the tiny MoDDiffy-par step's three programs
-# 30% faster (9.9 -> 6.9 s of XLA compile) and the whole suite in 7.6
+# 30% faster (9.9 -> 6.9 s of XLA compile) and the whole suite in 7.8
 # instead of 11.2 minutes (2-core CPU, empty cache, stop 35). Tests only:
 # at the default level they make the MiniLM step slower to compile and to
 # run (docs/speed.md).

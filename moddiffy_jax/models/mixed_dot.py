@@ -27,8 +27,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-_LOW = (jnp.bfloat16, jnp.float16)
-
 
 def _dense_dims(lhs_ndim: int):
     return (((lhs_ndim - 1,), (0,)), ((), ()))
@@ -48,7 +46,6 @@ def _dense_mixed_fwd(lhs, rhs):
 
 def _dense_mixed_bwd(res, g):
     lhs, rhs = res
-    g = g.astype(lhs.dtype)
     # d lhs [..., in] = g [..., out] . rhs [in, out] over out.
     d_lhs = lax.dot_general(
         g, rhs, (((g.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32
@@ -72,13 +69,12 @@ def dense_dot_general(
     preferred_element_type=None,
     **kwargs,
 ) -> jax.Array:
-    """``lax.dot_general`` with ``nn.Dense``'s signature; two bf16 (or
-    float16) operands of a Dense contraction (last axis of ``lhs`` with the
-    first of a 2-D ``rhs``) accumulate in float32 (see the module
-    docstring)."""
+    """``lax.dot_general`` with ``nn.Dense``'s signature; two bf16 operands
+    of a Dense contraction (last axis of ``lhs`` with the first of a 2-D
+    ``rhs``) accumulate in float32 (see the module docstring)."""
     if (
         lhs.dtype == rhs.dtype
-        and lhs.dtype in _LOW
+        and lhs.dtype == jnp.bfloat16
         and rhs.ndim == 2
         and preferred_element_type is None
         and not kwargs
