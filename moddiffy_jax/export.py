@@ -32,12 +32,20 @@ from moddiffy_jax.subnets import diffs as diffs_lib
 
 
 def export_and_evaluate(
-    ctx, evaluator, workdir: Path, trainable, frozen, phase: str
+    ctx,
+    evaluator,
+    workdir: Path,
+    trainable,
+    frozen,
+    phase: str,
+    reps_out: dict | None = None,
 ) -> dict:
     """Exports core, head and diffs (process 0 writes) and evaluates them.
 
     A finished run re-exports the same values when re-run (resume is exact),
-    so replacing its own export files loses nothing.
+    so replacing its own export files loses nothing. ``reps_out``, if given,
+    receives the composition table's representations
+    (:func:`~moddiffy_jax.eval.evaluator.composition_table`).
     """
     core, head = ctx.method.model(ctx, trainable, frozen)
     chief = jax.process_index() == 0
@@ -49,7 +57,9 @@ def export_and_evaluate(
         )
     splits = tuple(s for s in ("dev", "test") if s in ctx.data.splits)
     params_by_row: dict[str, Any] = {}
-    rows = composition_table(ctx, evaluator, core, head, sparse, splits, params_by_row)
+    rows = composition_table(
+        ctx, evaluator, core, head, sparse, splits, params_by_row, reps_out
+    )
     ood = ood_and_bias(ctx, evaluator, rows, params_by_row, splits)
     if ood:
         extra["ood"] = ood

@@ -350,8 +350,10 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     if kept is not None:
         trainable, frozen, _ = kept
         selected = {"rule": "best_dev", **best.info}
+    # The table's representations, which the leakage probes below reuse.
+    reps = {} if config.eval.leakage and jax.process_index() == 0 else None
     results = export_and_evaluate(
-        ctx, evaluator, workdir, trainable, frozen, phases[-1]
+        ctx, evaluator, workdir, trainable, frozen, phases[-1], reps
     )
     results["selected"] = selected
     results["phase_steps"] = {p: method.phase_steps(config, p) for p in phases}
@@ -359,7 +361,8 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
         results["word_rows"] = _word_row_tokens(config, ctx.word_tokens)
     results["train_wall_time_s"] = time.time() - wall_start
     if config.eval.leakage and jax.process_index() == 0:
-        results.update(_leakage(config, workdir, results, ctx.attributes))
+        results.update(_leakage(config, workdir, results, ctx.attributes, reps))
+    del reps
     results["wall_time_s"] = time.time() - wall_start
     if jax.process_index() == 0:
         checkpoints.write_json_atomic(workdir / "results.json", results)
@@ -403,8 +406,11 @@ def eval_options(config, name: str) -> dict[str, Any] | None:
     return {k: v for k, v in section.items() if k != "enabled"}
 
 
-def _leakage(config, workdir: Path, results: dict, attributes) -> dict[str, Any]:
-    """Fresh probes of the exported run (``eval.composition.evaluate_run``);
+def _leakage(
+    config, workdir: Path, results: dict, attributes, reps=None
+) -> dict[str, Any]:
+    """Fresh probes of the exported run (``eval.composition.evaluate_run``;
+    ``reps``: the representations the end-of-run table already encoded);
     adds the INLP baselines' accuracy rows to ``results["composition"]``."""
     from moddiffy_jax.eval import composition, probes
 
@@ -413,12 +419,14 @@ def _leakage(config, workdir: Path, results: dict, attributes) -> dict[str, Any]
         max_epochs=config.eval.probe_epochs,
         max_dev=config.eval.get("probe_max_dev"),
         whiten=config.eval.get("probe_whiten", True),
+        threads=config.eval.get("probe_threads", 2),
     )
     evaluation = composition.evaluate_run(
         workdir,
         probe_config=probe_config,
         inlp=config.eval.inlp,
         verify_inputs=False,  # checked when this run started
+        known_reps=reps,
         token_merge=eval_options(config, "token_merge"),
         strength=eval_options(config, "strength"),
     )

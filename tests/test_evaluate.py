@@ -205,3 +205,48 @@ def test_command_lines_take_absl_flags(capsys):
     assert evaluate.main([]) == 2 and "--workdir" in capsys.readouterr().err
     assert analyze.main(["--split=train"]) == 2
     assert analyze.main([]) == 2
+
+
+def test_known_representations_are_not_encoded_again(run, monkeypatch):
+    """``known_reps`` (what the end-of-training table encoded) stand in for
+    those rows' splits: the same results, only the rest encoded, and
+    representations of another split's size are refused."""
+    from moddiffy_jax.context import build_context
+    from moddiffy_jax.eval import evaluator as evaluator_lib
+    from moddiffy_jax.eval import forward
+
+    fresh = composition.evaluate_run(run, probe_config=FAST_PROBES, inlp=False)
+    ctx = build_context(composition.load_run_config(run))
+    art = composition.load_artifacts(run)
+    known: dict = {}
+    rows = evaluator_lib.composition_table(
+        ctx,
+        evaluator_lib.Evaluator(ctx),
+        art.core,
+        art.head,
+        {a: art.diffs[a] for a in ctx.attributes},  # the run's order
+        ("dev", "test"),
+        reps_out=known,
+    )
+    assert list(known) == list(rows) and set(known["core"]) == {"dev", "test"}
+    for label, row in rows.items():  # the table's accuracies read those reps
+        assert row["test_task_acc"] == fresh["composition"][label]["test_task_acc"]
+    encoded = []
+    original = forward.Representer.represent
+
+    def counted(self, params, split):
+        encoded.append(split)
+        return original(self, params, split)
+
+    monkeypatch.setattr(forward.Representer, "represent", counted)
+    again = composition.evaluate_run(
+        run, probe_config=FAST_PROBES, inlp=False, known_reps=known
+    )
+    assert encoded == ["train"] * len(known)
+    for label, row in fresh["composition"].items():
+        assert again["composition"][label]["leakage"] == row["leakage"]
+    known["core"]["test"] = known["core"]["test"][:5]
+    with pytest.raises(ValueError, match="has 5 rows"):
+        composition.evaluate_run(
+            run, probe_config=FAST_PROBES, inlp=False, known_reps=known
+        )

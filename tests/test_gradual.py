@@ -54,6 +54,23 @@ def test_magnitude_keep_mask_matches_prune_to_sparsity():
     kept = np.concatenate([np.abs(values[p])[mask[p]] for p in mask])
     dropped = np.concatenate([np.abs(values[p])[~mask[p]] for p in mask])
     assert kept.min() >= dropped.max()
+    # Ties (many equal magnitudes, as after a cut), closed entries and both
+    # scopes: the very entries of prune_to_sparsity's indices.
+    values = {
+        "a": rng.choice([0.0, 0.5, -0.5, 1.0], size=(12, 9)),
+        "b": rng.choice([0.0, 0.5, 2.0], size=31),
+    }
+    eligible = {p: rng.random(np.shape(v)) < 0.7 for p, v in values.items()}
+    for keep, scope in ((0.3, "global"), (17, "global"), (0.25, "per_leaf")):
+        for ok in (None, eligible):
+            mask = diffs.magnitude_keep_mask(
+                values, keep=keep, scope=scope, eligible=ok
+            )
+            sd = diffs.prune_to_sparsity(values, keep=keep, scope=scope, eligible=ok)
+            for p in values:
+                np.testing.assert_array_equal(
+                    np.flatnonzero(mask[p]), np.asarray(sd.indices[p])
+                )
 
 
 def test_gradual_schedule_reaches_the_budget():

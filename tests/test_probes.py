@@ -366,3 +366,43 @@ def test_max_dev_stops_early_on_a_fixed_subset_of_dev():
     )
     with pytest.raises(ValueError, match="max_dev"):
         probes.ProbeConfig(max_dev=0)
+
+
+def test_a_rows_attributes_probed_on_threads_give_the_same_numbers():
+    """``ProbeConfig.threads`` trains a row's attributes at once; every entry
+    equals the one trained alone, and a bad count is refused."""
+    from types import SimpleNamespace
+
+    from moddiffy_jax.eval import composition
+
+    rng = np.random.default_rng(5)
+    sizes = {"train": 96, "dev": 48, "test": 64}
+    reps = {s: rng.normal(size=(n, H)).astype(np.float32) for s, n in sizes.items()}
+    attrs = {
+        s: {a: rng.integers(0, k, n) for a, k in (("g", 2), ("age", 3))}
+        for s, n in sizes.items()
+    }
+    for s in sizes:  # a planted attribute and a weaker one
+        reps[s][:, 0] += 4.0 * attrs[s]["g"]
+        reps[s][:, 1] += 0.5 * attrs[s]["age"]
+    ctx = SimpleNamespace(
+        attributes=("g", "age"),
+        data=SimpleNamespace(
+            splits={s: SimpleNamespace(attrs=attrs[s]) for s in sizes},
+            attr_classes={"g": ("a", "b"), "age": ("y", "m", "o")},
+        ),
+    )
+    config = dataclasses.replace(
+        CONFIG, members=2, max_epochs=8, lr=2e-2, test_curves=False
+    )
+    one = composition._leakage(
+        ctx, reps, dataclasses.replace(config, threads=1), linear=True
+    )
+    two = composition._leakage(
+        ctx, reps, dataclasses.replace(config, threads=2), linear=True
+    )
+    assert list(two) == ["g", "age"]
+    assert one == two
+    assert one["g"]["mean"] > 0.8  # the probes did read the planted attribute
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        probes.ProbeConfig(threads=0)

@@ -31,6 +31,7 @@ callable, so the training loop can report them without the probes.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import math
@@ -187,8 +188,10 @@ def _task_metrics(ctx, rep: Representer, head, reps, splits) -> dict[str, Any]:
 
 
 def _leakage(ctx, reps, probe_config, *, linear: bool) -> dict[str, Any]:
-    out = {}
-    for attr in ctx.attributes:
+    """Each attribute's probes of one row; ``probe_config.threads`` of the
+    attributes at once (the same numbers as one after the other)."""
+
+    def one(attr: str) -> dict[str, Any]:
         labels = {s: ctx.data.splits[s].attrs[attr] for s in SPLITS}
         n = len(ctx.data.attr_classes[attr])
         result = probes_lib.train_probe_ensemble(
@@ -225,8 +228,16 @@ def _leakage(ctx, reps, probe_config, *, linear: bool) -> dict[str, Any]:
                 class_weighted=True,
             )
             entry["linear"] = lin.summary() | {"converged": bool(lin.converged)}
-        out[attr] = entry
-    return out
+        return entry
+
+    attrs = list(ctx.attributes)
+    threads = min(probe_config.threads, len(attrs))
+    if threads > 1:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            entries = list(pool.map(one, attrs))
+    else:
+        entries = [one(attr) for attr in attrs]
+    return dict(zip(attrs, entries, strict=True))
 
 
 def _row(
@@ -361,6 +372,7 @@ def evaluate_run(
     verify_inputs: bool = True,
     token_merge: Mapping[str, Any] | None = None,
     strength: Mapping[str, Any] | None = None,
+    known_reps: Mapping[str, Mapping[str, np.ndarray]] | None = None,
 ) -> dict[str, Any]:
     """Evaluates the composition matrix of a finished run; see the module doc.
 
@@ -388,6 +400,9 @@ def evaluate_run(
         ``floor_z``, ``floor_stop``, ``up``, ``down``) and evaluate every
         composition with those weights (rows ``core+1.5*gender``); a diff
         given a weight in ``weights`` keeps it.
+      known_reps: representations already encoded from the same exported
+        params (row label -> split -> [N, H], e.g. the end-of-training
+        table's); those rows and splits are not encoded again.
 
     Returns:
       The results (also written to ``workdir/eval/results.json``).
@@ -446,7 +461,18 @@ def evaluate_run(
         weights=weights,
         max_subset_size=max_subset_size,
     ):
-        reps = {s: rep.represent(params, s) for s in rep_splits}
+        known = (known_reps or {}).get(label, {})
+        for s, h in known.items():
+            if s in rep_splits and np.shape(h)[0] != len(ctx.data.splits[s]):
+                raise ValueError(
+                    f"known_reps[{label!r}][{s!r}] has {np.shape(h)[0]} rows; the "
+                    f"run's {s} split has {len(ctx.data.splits[s])}: pass the "
+                    "representations of this run's own splits (or none)."
+                )
+        reps = {
+            s: np.asarray(known[s]) if s in known else rep.represent(params, s)
+            for s in rep_splits
+        }
         ood_reps = {
             n: rep.represent_split(params, o.split) for n, o in ood_sets.items()
         }

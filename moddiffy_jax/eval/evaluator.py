@@ -103,16 +103,27 @@ def composition_table(
     sparse: Mapping[str, diffs_lib.SparseDiff],
     splits: Sequence[str],
     params_out: dict[str, Any] | None = None,
+    reps_out: dict[str, dict[str, np.ndarray]] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Task accuracy for the core, each diff, and every larger subset of diffs.
 
-    ``params_out``, if given, receives ``label -> (encoder params, head)``.
+    ``params_out``, if given, receives ``label -> (encoder params, head)``;
+    ``reps_out`` receives ``label -> {split: representations [N, H]}``, which
+    the composition matrix's probes (``composition.evaluate_run``'s
+    ``known_reps``) then need not encode again.
     """
     rows = {}
     for label, _, params in compositions(evaluator, core, sparse):
-        rows[label] = {
-            f"{s}_task_acc": evaluator.task_accuracy(params, head, s) for s in splits
-        }
+        row = {}
+        for s in splits:
+            h = evaluator.forward.represent_split(params, evaluator.ctx.data.splits[s])
+            pred = evaluator.forward.predict(head, h)
+            row[f"{s}_task_acc"] = float(
+                np.mean(pred == np.asarray(evaluator.ctx.data.splits[s].task))
+            )
+            if reps_out is not None:
+                reps_out.setdefault(label, {})[s] = h
+        rows[label] = row
         if params_out is not None:
             params_out[label] = (params, head)
     return rows

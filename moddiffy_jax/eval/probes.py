@@ -120,6 +120,13 @@ class ProbeConfig:
       test_curves: Read the test split after every epoch and keep those
         curves in ``ProbeResult.history`` (the same result, about a third
         slower); off, it is read once with the kept epoch's members.
+      threads: How many probe ensembles a composition table trains at once,
+        each on its own thread (one per attribute of a row). The probe's
+        small batched matmuls keep XLA on both of a 2-core machine's cores
+        only part of the time, so two at once finish sooner (2 ensembles:
+        20.5 s against 27.5 s one after the other, BENCHMARKS.md stop 36).
+        No result depends on it: each ensemble is the same program on the
+        same inputs.
     """
 
     members: int = 5
@@ -138,8 +145,11 @@ class ProbeConfig:
     whiten_ridge: float = 0.01
     max_dev: int | None = None
     test_curves: bool = False
+    threads: int = 2
 
     def __post_init__(self):
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}.")
         if self.members < 1 or self.batch_size < 1 or self.max_epochs < 1:
             raise ValueError(f"members, batch_size, max_epochs must be >= 1: {self}")
         if not self.seeds:
@@ -567,7 +577,7 @@ def train_probe_ensemble(
     data["patience"] = np.int32(
         config.max_epochs if config.patience is None else config.patience
     )
-    static = dataclasses.replace(config, seeds=(0,), patience=None)
+    static = dataclasses.replace(config, seeds=(0,), patience=None, threads=1)
     seeds = np.asarray(config.seeds, np.int32)
     history = jax.device_get(
         _probe_program(seeds, data, config=static, num_classes=num_classes)

@@ -562,20 +562,21 @@ def _topk_threshold(magnitudes: np.ndarray, k: int) -> Any:
     return np.asarray(prefix, uint).view(m.dtype)[()]
 
 
-def _select_topk(
+def _select_topk_masks(
     leaves: Sequence[tuple[str, np.ndarray]],
     k: int,
     mdtype: np.dtype,
     eligible: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Exactly k flat indices per the ordering (|v| desc, leaf order, index asc).
+    """Flat bool masks, True at exactly k entries per the ordering (|v| desc,
+    leaf order, index asc).
 
     With ``eligible`` (bool arrays by path), entries marked False rank below
     every eligible one (magnitude -1) and ``k`` must not exceed the eligible
     count (:func:`prune_to_sparsity` caps it).
     """
     if k == 0:
-        return {p: np.zeros((0,), np.int64) for p, _ in leaves}
+        return {p: np.zeros(a.size, bool) for p, a in leaves}
 
     def magnitude(p: str, a: np.ndarray) -> np.ndarray:
         m = np.abs(a.reshape(-1)).astype(mdtype, copy=False)
@@ -587,21 +588,58 @@ def _select_topk(
     if np.isnan(magnitudes).any():
         raise ValueError("Cannot prune values containing NaN.")
     threshold = _topk_threshold(magnitudes, k)
-    del magnitudes
-    above = {}
-    for p, a in leaves:
-        above[p] = np.flatnonzero(magnitude(p, a) > threshold)
-    remaining = k - sum(len(i) for i in above.values())
-    kept = {}
-    for p, a in leaves:
-        ties = np.zeros((0,), np.int64)
-        if remaining > 0:
-            ties = np.flatnonzero(magnitude(p, a) == threshold)
-            ties = ties[:remaining]
-            remaining -= len(ties)
-        kept[p] = np.sort(np.concatenate([above[p], ties]))
+    # Each leaf's magnitudes are a view of the one concatenated array.
+    offsets = np.cumsum([0] + [a.size for _, a in leaves])
+    views = {
+        p: magnitudes[offsets[i] : offsets[i + 1]] for i, (p, _) in enumerate(leaves)
+    }
+    masks = {p: m > threshold for p, m in views.items()}
+    remaining = k - sum(int(np.count_nonzero(m)) for m in masks.values())
+    for p, m in views.items():
+        if remaining <= 0:
+            break
+        ties = np.flatnonzero(m == threshold)[:remaining]
+        masks[p][ties] = True
+        remaining -= len(ties)
     assert remaining == 0, remaining
-    return kept
+    return masks
+
+
+def _keep_selection(values_subtree, keep, scope, eligible):
+    """``(host arrays by path, dtype, flat kept masks by path, k)``: the
+    selection of :func:`prune_to_sparsity` (see there)."""
+    arrays = {p: _host(v) for p, v in flatten(values_subtree).items()}
+    dtype = _common_dtype(arrays)
+    mdtype = _magnitude_dtype(dtype)
+    leaves = list(arrays.items())
+    ok = None
+    if eligible is not None:
+        ok = {p: np.asarray(_host(v), bool) for p, v in flatten(eligible).items()}
+        bad = [p for p, a in arrays.items() if np.shape(ok.get(p)) != a.shape]
+        if bad:
+            raise ValueError(
+                f"eligible does not match the values at {bad[:3]}: pass a bool "
+                "subtree with the values' paths and shapes."
+            )
+
+    def n_eligible(paths: Sequence[str]) -> int:
+        if ok is None:
+            return sum(arrays[p].size for p in paths)
+        return sum(int(ok[p].sum()) for p in paths)
+
+    if scope == "global":
+        k = _resolve_keep(keep, sum(a.size for a in arrays.values()), "all leaves")
+        k = min(k, n_eligible(list(arrays)))
+        kept = _select_topk_masks(leaves, k, mdtype, ok)
+    elif scope == "per_leaf":
+        kept = {}
+        for p, a in leaves:
+            k_leaf = min(_resolve_keep(keep, a.size, repr(p)), n_eligible([p]))
+            kept.update(_select_topk_masks([(p, a)], k_leaf, mdtype, ok))
+        k = sum(int(np.count_nonzero(m)) for m in kept.values())
+    else:
+        raise ValueError(f"Unknown scope {scope!r}; valid: 'global', 'per_leaf'.")
+    return arrays, dtype, kept, k
 
 
 def prune_to_sparsity(
@@ -658,37 +696,8 @@ def prune_to_sparsity(
       ValueError: for an unknown scope, a keep outside its range, NaN values,
         or mixed dtypes.
     """
-    arrays = {p: _host(v) for p, v in flatten(values_subtree).items()}
-    dtype = _common_dtype(arrays)
-    mdtype = _magnitude_dtype(dtype)
-    leaves = list(arrays.items())
-    ok = None
-    if eligible is not None:
-        ok = {p: np.asarray(_host(v), bool) for p, v in flatten(eligible).items()}
-        bad = [p for p, a in arrays.items() if np.shape(ok.get(p)) != a.shape]
-        if bad:
-            raise ValueError(
-                f"eligible does not match the values at {bad[:3]}: pass a bool "
-                "subtree with the values' paths and shapes."
-            )
-
-    def n_eligible(paths: Sequence[str]) -> int:
-        if ok is None:
-            return sum(arrays[p].size for p in paths)
-        return sum(int(ok[p].sum()) for p in paths)
-
-    if scope == "global":
-        k = _resolve_keep(keep, sum(a.size for a in arrays.values()), "all leaves")
-        k = min(k, n_eligible(list(arrays)))
-        kept = _select_topk(leaves, k, mdtype, ok)
-    elif scope == "per_leaf":
-        kept = {}
-        for p, a in leaves:
-            k_leaf = min(_resolve_keep(keep, a.size, repr(p)), n_eligible([p]))
-            kept.update(_select_topk([(p, a)], k_leaf, mdtype, ok))
-        k = sum(len(i) for i in kept.values())
-    else:
-        raise ValueError(f"Unknown scope {scope!r}; valid: 'global', 'per_leaf'.")
+    arrays, dtype, masks, k = _keep_selection(values_subtree, keep, scope, eligible)
+    kept = {p: np.flatnonzero(m) for p, m in masks.items()}
     settings = {"method": "magnitude_topk", "scope": scope, "keep": keep, "k": k}
     return _build(
         arrays,
@@ -708,11 +717,7 @@ def magnitude_keep_mask(
     scope: str = "global",
     eligible: PyTree | None = None,
 ) -> PyTree:
-    """Bool subtree marking the entries :func:`prune_to_sparsity` would keep."""
-    sd = prune_to_sparsity(values_subtree, keep=keep, scope=scope, eligible=eligible)
-    out = {}
-    for path, leaf in flatten(values_subtree).items():
-        mask = np.zeros(np.size(leaf), bool)
-        mask[np.asarray(sd.indices[path])] = True
-        out[path] = mask.reshape(np.shape(leaf))
-    return unflatten(out)
+    """Bool subtree marking the entries :func:`prune_to_sparsity` would keep
+    (the same selection, without building the sparse diff)."""
+    arrays, _, masks, _ = _keep_selection(values_subtree, keep, scope, eligible)
+    return unflatten({p: masks[p].reshape(a.shape) for p, a in arrays.items()})
