@@ -250,3 +250,24 @@ def test_known_representations_are_not_encoded_again(run, monkeypatch):
         composition.evaluate_run(
             run, probe_config=FAST_PROBES, inlp=False, known_reps=known
         )
+
+
+def test_attackers_on_worker_threads_give_the_same_table(run):
+    """With ``threads`` > 1 the attackers train on worker threads while the
+    next rows are encoded; every row (compositions, INLP, merges) reads as
+    with one thread, in the same order."""
+    import dataclasses
+
+    merge = {"max_drop": 100.0, "select_train": 200, "candidates": 4}
+    tables = [
+        composition.evaluate_run(
+            run,
+            probe_config=dataclasses.replace(FAST_PROBES, threads=threads),
+            token_merge=merge,
+        )["composition"]
+        for threads in (1, 2)
+    ]
+    assert list(tables[0]) == list(tables[1])
+    assert "core+INLP(age)" in tables[0] and "core+merge(age)" in tables[0]
+    for label, row in tables[0].items():
+        assert tables[1][label]["leakage"] == row["leakage"], label

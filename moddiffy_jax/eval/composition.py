@@ -187,9 +187,11 @@ def _task_metrics(ctx, rep: Representer, head, reps, splits) -> dict[str, Any]:
     return out
 
 
-def _leakage(ctx, reps, probe_config, *, linear: bool) -> dict[str, Any]:
+def _leakage(ctx, reps, probe_config, *, linear: bool, pool=None) -> dict[str, Any]:
     """Each attribute's probes of one row; ``probe_config.threads`` of the
-    attributes at once (the same numbers as one after the other)."""
+    attributes at once (the same numbers as one after the other). With
+    ``pool`` (an executor) each attribute's entry is a future of it, which
+    :func:`_resolve_leakage` reads."""
 
     def one(attr: str) -> dict[str, Any]:
         labels = {s: ctx.data.splits[s].attrs[attr] for s in SPLITS}
@@ -231,6 +233,8 @@ def _leakage(ctx, reps, probe_config, *, linear: bool) -> dict[str, Any]:
         return entry
 
     attrs = list(ctx.attributes)
+    if pool is not None:
+        return {attr: pool.submit(one, attr) for attr in attrs}
     threads = min(probe_config.threads, len(attrs))
     if threads > 1:
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
@@ -240,8 +244,26 @@ def _leakage(ctx, reps, probe_config, *, linear: bool) -> dict[str, Any]:
     return dict(zip(attrs, entries, strict=True))
 
 
+def _resolve_leakage(rows: Mapping[str, dict[str, Any]]) -> None:
+    """Replaces every row's leakage futures by their entries (in place)."""
+    for row in rows.values():
+        row["leakage"] = {
+            a: v.result() if isinstance(v, concurrent.futures.Future) else v
+            for a, v in row["leakage"].items()
+        }
+
+
 def _row(
-    ctx, rep, head, reps, probe_config, linear, splits, ood_sets=None, ood_reps=None
+    ctx,
+    rep,
+    head,
+    reps,
+    probe_config,
+    linear,
+    splits,
+    ood_sets=None,
+    ood_reps=None,
+    pool=None,
 ) -> dict[str, Any]:
     task = _task_metrics(ctx, rep, head, reps, splits)
     row = {f"{s}_task_acc": task[s]["accuracy"] for s in splits}
@@ -251,7 +273,7 @@ def _row(
             row[f"{s}_bias_aligned_acc"] = task[s]["bias_aligned/accuracy"]
             row[f"{s}_bias_conflicting_acc"] = task[s]["bias_conflicting/accuracy"]
     row["task"] = task
-    row["leakage"] = _leakage(ctx, reps, probe_config, linear=linear)
+    row["leakage"] = _leakage(ctx, reps, probe_config, linear=linear, pool=pool)
     if ood_sets:
         row["ood"] = {
             name: ood_lib.ood_metrics(oset, rep.predict(head, ood_reps[name]))
@@ -452,94 +474,119 @@ def evaluate_run(
     if strength is not None and ctx.attributes:
         strengths = _calibrate(ctx, evaluator, rep, art, names, weights, strength)
     rows: dict[str, Any] = {}
-    core_reps = core_ood_reps = None
-    for label, subset, params in compositions(
-        evaluator,
-        art.core,
-        art.diffs,
-        names,
-        weights=weights,
-        max_subset_size=max_subset_size,
-    ):
-        known = (known_reps or {}).get(label, {})
-        for s, h in known.items():
-            if s in rep_splits and np.shape(h)[0] != len(ctx.data.splits[s]):
-                raise ValueError(
-                    f"known_reps[{label!r}][{s!r}] has {np.shape(h)[0]} rows; the "
-                    f"run's {s} split has {len(ctx.data.splits[s])}: pass the "
-                    "representations of this run's own splits (or none)."
-                )
-        reps = {
-            s: np.asarray(known[s]) if s in known else rep.represent(params, s)
-            for s in rep_splits
-        }
-        ood_reps = {
-            n: rep.represent_split(params, o.split) for n, o in ood_sets.items()
-        }
-        if not subset:
-            core_reps, core_ood_reps = reps, ood_reps
-        logging.info("Evaluating %s", label)
-        rows[label] = _row(
-            ctx,
-            rep,
-            art.head,
-            reps,
-            probe_config,
-            linear,
-            eval_splits,
-            ood_sets,
-            ood_reps,
-        )
-    if inlp:
-        for attr in ctx.attributes:
-            y = {s: ctx.data.splits[s].attrs[attr] for s in SPLITS}
-            fit = inlp_lib.fit_inlp(
-                core_reps["train"],
-                y["train"],
-                core_reps["dev"],
-                y["dev"],
-                num_classes=len(ctx.data.attr_classes[attr]),
-                tol=1e-4,
-            )
-            projected = {
-                s: np.asarray(inlp_lib.apply_projection(core_reps[s], fit.projection))
+    merges = {}
+    # The attackers train on worker threads while this thread encodes the
+    # next rows (docs/speed.md, stop 36); each row's leakage is read at the end.
+    pool = (
+        concurrent.futures.ThreadPoolExecutor(probe_config.threads)
+        if probe_config.threads > 1 and ctx.attributes
+        else None
+    )
+    try:
+        core_reps = core_ood_reps = None
+        for label, subset, params in compositions(
+            evaluator,
+            art.core,
+            art.diffs,
+            names,
+            weights=weights,
+            max_subset_size=max_subset_size,
+        ):
+            known = (known_reps or {}).get(label, {})
+            for s, h in known.items():
+                if s in rep_splits and np.shape(h)[0] != len(ctx.data.splits[s]):
+                    raise ValueError(
+                        f"known_reps[{label!r}][{s!r}] has {np.shape(h)[0]} rows; the "
+                        f"run's {s} split has {len(ctx.data.splits[s])}: pass the "
+                        "representations of this run's own splits (or none)."
+                    )
+            reps = {
+                s: np.asarray(known[s]) if s in known else rep.represent(params, s)
                 for s in rep_splits
             }
-            projected_ood = {
-                n: np.asarray(inlp_lib.apply_projection(h, fit.projection))
-                for n, h in core_ood_reps.items()
+            ood_reps = {
+                n: rep.represent_split(params, o.split) for n, o in ood_sets.items()
             }
-            row = _row(
+            if not subset:
+                core_reps, core_ood_reps = reps, ood_reps
+            logging.info("Evaluating %s", label)
+            rows[label] = _row(
                 ctx,
                 rep,
                 art.head,
-                projected,
+                reps,
                 probe_config,
                 linear,
                 eval_splits,
                 ood_sets,
-                projected_ood,
+                ood_reps,
+                pool,
             )
-            row["inlp"] = {
-                "attribute": attr,
-                "directions_removed": int(fit.num_removed),
-            }
-            rows[f"core+INLP({attr})"] = row
-    merges = {}
-    if token_merge is not None and ctx.attributes:
-        merges = _merge_rows(
-            ctx,
-            evaluator,
-            rep,
-            art,
-            workdir,
-            dict(token_merge),
-            core_reps,
-            rows,
-            lambda reps: _row(
-                ctx, rep, art.head, reps, probe_config, linear, eval_splits, {}, {}
-            ),
-        )
+        if inlp:
+            for attr in ctx.attributes:
+                y = {s: ctx.data.splits[s].attrs[attr] for s in SPLITS}
+                fit = inlp_lib.fit_inlp(
+                    core_reps["train"],
+                    y["train"],
+                    core_reps["dev"],
+                    y["dev"],
+                    num_classes=len(ctx.data.attr_classes[attr]),
+                    tol=1e-4,
+                )
+                projected = {
+                    s: np.asarray(
+                        inlp_lib.apply_projection(core_reps[s], fit.projection)
+                    )
+                    for s in rep_splits
+                }
+                projected_ood = {
+                    n: np.asarray(inlp_lib.apply_projection(h, fit.projection))
+                    for n, h in core_ood_reps.items()
+                }
+                row = _row(
+                    ctx,
+                    rep,
+                    art.head,
+                    projected,
+                    probe_config,
+                    linear,
+                    eval_splits,
+                    ood_sets,
+                    projected_ood,
+                    pool,
+                )
+                row["inlp"] = {
+                    "attribute": attr,
+                    "directions_removed": int(fit.num_removed),
+                }
+                rows[f"core+INLP({attr})"] = row
+        if token_merge is not None and ctx.attributes:
+            merges = _merge_rows(
+                ctx,
+                evaluator,
+                rep,
+                art,
+                workdir,
+                dict(token_merge),
+                core_reps,
+                rows,
+                lambda reps: _row(
+                    ctx,
+                    rep,
+                    art.head,
+                    reps,
+                    probe_config,
+                    linear,
+                    eval_splits,
+                    {},
+                    {},
+                    pool,
+                ),
+            )
+        _resolve_leakage(rows)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     results = {
         "workdir": str(workdir),
         "method": config.method.name,
