@@ -183,8 +183,9 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # The attackers read the representations whitened with the train split's
     # covariance (False: standardized per feature; docs/efficacy.md, stop 23).
     c.eval.probe_whiten = True
-    # Attributes whose attackers train at once, each on its own thread (the
-    # same numbers; on 2 cores two at once take about a quarter less time).
+    # Attackers trained at once on worker threads while the next rows are
+    # encoded (the same numbers; on 2 cores two at once take about a quarter
+    # less time).
     c.eval.probe_threads = 2
     c.eval.inlp = True
     # Token-merge diffs built on the core after training and added to the

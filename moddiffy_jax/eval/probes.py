@@ -121,12 +121,12 @@ class ProbeConfig:
         curves in ``ProbeResult.history`` (the same result, about a third
         slower); off, it is read once with the kept epoch's members.
       threads: How many probe ensembles a composition table trains at once,
-        each on its own thread (one per attribute of a row). The probe's
-        small batched matmuls keep XLA on both of a 2-core machine's cores
-        only part of the time, so two at once finish sooner (2 ensembles:
-        20.5 s against 27.5 s one after the other, BENCHMARKS.md stop 36).
-        No result depends on it: each ensemble is the same program on the
-        same inputs.
+        on worker threads, while it encodes the next rows
+        (``composition.evaluate_run``). The probe's small batched matmuls
+        keep XLA on both of a 2-core machine's cores only part of the time,
+        so two at once finish sooner (2 ensembles: 20.5 s against 27.5 s one
+        after the other, BENCHMARKS.md stop 36). No result depends on it:
+        each ensemble is the same program on the same inputs.
     """
 
     members: int = 5
