@@ -482,6 +482,23 @@ def evaluate_run(
         if probe_config.threads > 1 and ctx.attributes
         else None
     )
+
+    def row_of(reps, ood_reps=None):
+        """One row of the table (OOD metrics where ``ood_reps`` are given)."""
+        sets = ood_sets if ood_reps is not None else {}
+        return _row(
+            ctx,
+            rep,
+            art.head,
+            reps,
+            probe_config,
+            linear,
+            eval_splits,
+            sets,
+            ood_reps or {},
+            pool,
+        )
+
     try:
         core_reps = core_ood_reps = None
         for label, subset, params in compositions(
@@ -510,18 +527,7 @@ def evaluate_run(
             if not subset:
                 core_reps, core_ood_reps = reps, ood_reps
             logging.info("Evaluating %s", label)
-            rows[label] = _row(
-                ctx,
-                rep,
-                art.head,
-                reps,
-                probe_config,
-                linear,
-                eval_splits,
-                ood_sets,
-                ood_reps,
-                pool,
-            )
+            rows[label] = row_of(reps, ood_reps)
         if inlp:
             for attr in ctx.attributes:
                 y = {s: ctx.data.splits[s].attrs[attr] for s in SPLITS}
@@ -543,18 +549,7 @@ def evaluate_run(
                     n: np.asarray(inlp_lib.apply_projection(h, fit.projection))
                     for n, h in core_ood_reps.items()
                 }
-                row = _row(
-                    ctx,
-                    rep,
-                    art.head,
-                    projected,
-                    probe_config,
-                    linear,
-                    eval_splits,
-                    ood_sets,
-                    projected_ood,
-                    pool,
-                )
+                row = row_of(projected, projected_ood)
                 row["inlp"] = {
                     "attribute": attr,
                     "directions_removed": int(fit.num_removed),
@@ -570,18 +565,7 @@ def evaluate_run(
                 dict(token_merge),
                 core_reps,
                 rows,
-                lambda reps: _row(
-                    ctx,
-                    rep,
-                    art.head,
-                    reps,
-                    probe_config,
-                    linear,
-                    eval_splits,
-                    {},
-                    {},
-                    pool,
-                ),
+                row_of,  # no OOD sets for the merge rows
             )
         _resolve_leakage(rows)
     finally:
