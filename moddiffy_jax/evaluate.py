@@ -38,8 +38,8 @@ flags.DEFINE_integer("max_epochs", 40, "Probe epochs.", flag_values=FLAGS)
 flags.DEFINE_integer(
     "probe_threads",
     2,
-    "Attributes whose probes train at once, each on its own thread (the same "
-    "numbers; faster on 2 or more cores).",
+    "Probe ensembles trained at once on worker threads while the next rows "
+    "are encoded (the same numbers; faster on 2 or more cores).",
     flag_values=FLAGS,
 )
 flags.DEFINE_bool(

@@ -188,10 +188,9 @@ def _task_metrics(ctx, rep: Representer, head, reps, splits) -> dict[str, Any]:
 
 
 def _leakage(ctx, reps, probe_config, *, linear: bool, pool=None) -> dict[str, Any]:
-    """Each attribute's probes of one row; ``probe_config.threads`` of the
-    attributes at once (the same numbers as one after the other). With
+    """Each attribute's probes of one row, one after the other; with
     ``pool`` (an executor) each attribute's entry is a future of it, which
-    :func:`_resolve_leakage` reads."""
+    :func:`_resolve_leakage` reads (the same numbers)."""
 
     def one(attr: str) -> dict[str, Any]:
         labels = {s: ctx.data.splits[s].attrs[attr] for s in SPLITS}
@@ -232,16 +231,9 @@ def _leakage(ctx, reps, probe_config, *, linear: bool, pool=None) -> dict[str, A
             entry["linear"] = lin.summary() | {"converged": bool(lin.converged)}
         return entry
 
-    attrs = list(ctx.attributes)
     if pool is not None:
-        return {attr: pool.submit(one, attr) for attr in attrs}
-    threads = min(probe_config.threads, len(attrs))
-    if threads > 1:
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            entries = list(pool.map(one, attrs))
-    else:
-        entries = [one(attr) for attr in attrs]
-    return dict(zip(attrs, entries, strict=True))
+        return {attr: pool.submit(one, attr) for attr in ctx.attributes}
+    return {attr: one(attr) for attr in ctx.attributes}
 
 
 def _resolve_leakage(rows: Mapping[str, dict[str, Any]]) -> None:

@@ -44,9 +44,18 @@ class Evaluator:
         return np.argmax(logits, -1)
 
     def task_accuracy(self, enc_params: Any, head_params: Any, split: str) -> float:
+        return self.accuracy_and_reps(enc_params, head_params, split)[0]
+
+    def accuracy_and_reps(
+        self, enc_params: Any, head_params: Any, split: str
+    ) -> tuple[float, np.ndarray]:
+        """Task accuracy on the run's split named ``split`` and the CLS
+        representations [N, H] it was read from (the leakage probes reuse
+        them)."""
         data = self.ctx.data.splits[split]
-        pred = self.predict(enc_params, head_params, data)
-        return float(np.mean(pred == np.asarray(data.task)))
+        h = self.forward.represent_split(enc_params, data)
+        pred = self.forward.predict(head_params, h)
+        return float(np.mean(pred == np.asarray(data.task))), h
 
 
 def subsets(names: Sequence[str], max_size: int | None = None) -> list[tuple]:
@@ -116,11 +125,7 @@ def composition_table(
     for label, _, params in compositions(evaluator, core, sparse):
         row = {}
         for s in splits:
-            h = evaluator.forward.represent_split(params, evaluator.ctx.data.splits[s])
-            pred = evaluator.forward.predict(head, h)
-            row[f"{s}_task_acc"] = float(
-                np.mean(pred == np.asarray(evaluator.ctx.data.splits[s].task))
-            )
+            row[f"{s}_task_acc"], h = evaluator.accuracy_and_reps(params, head, s)
             if reps_out is not None:
                 reps_out.setdefault(label, {})[s] = h
         rows[label] = row
