@@ -166,6 +166,13 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # MoDDiffy-par 40% less first-step compile, 13% slower steps
     # (docs/speed.md); the tiny configs, where compiling dominates, use it.
     c.train.step_jit = "step"
+    # With step_jit="step": once the next phase's shapes are settled
+    # (Method.next_shapes_settled; MoDDiffy after its last gradual cut), its
+    # step compiles on a background thread while this phase trains, and the
+    # phase change uses it if it lowers to the same program. Results do not
+    # change. "auto": on accelerators only (on the 2-core CPU the compile
+    # slows the steps beside it about as much as it saves; docs/speed.md).
+    c.train.compile_ahead = "auto"
     c.train.checkpoint_every = 100
     c.train.keep_checkpoints = 2
     c.train.stop_at_step = 0  # >0: simulate a preemption after this step.

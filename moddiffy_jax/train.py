@@ -18,9 +18,11 @@ eval / Orbax checkpoints -> ``Method.transition`` between phases ->
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -152,6 +154,7 @@ def train_and_evaluate(
 
 
 STEP_JIT = ("step", "substeps")
+COMPILE_AHEAD = ("auto", "on", "off")
 
 
 def step_jit_mode(config) -> str:
@@ -179,6 +182,7 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     wall_start = time.time()
     best_lib.check_select(config)
     step_jit_mode(config)  # a bad train.step_jit fails before anything runs
+    compile_ahead_on(config)  # and a bad train.compile_ahead
     requested = config  # what config.json holds; phases in epochs resolve below
     ctx = build_context(config)
     config = resolve_epochs(config, len(ctx.data.splits["train"]))
@@ -233,22 +237,14 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
         restored_state = latest
         logging.info("Resuming from step %d (phase %s).", latest, meta["phase"])
 
+    ahead: _Ahead | None = None  # the next phase's step, compiling meanwhile
     total_steps = sum(method.phase_steps(config, p) for p in phases)
     progress = progress_bar(config, total_steps, global_step)
     logger = _Logger(ctx, writer, ckpt, workdir, progress)
     try:
         for pi in range(phase_index, len(phases)):
             phase = phases[pi]
-            substeps = common.schedule_substeps(
-                method.substeps(ctx, phase, trainable),
-                config.optim,
-                method.phase_steps(config, phase),
-            )
-            state = common.TrainState(
-                step=jnp.asarray(global_step, jnp.int32),
-                trainable=trainable,
-                opt_states=common.init_opt_states(substeps, trainable),
-            )
+            state, substeps = _phase_state(ctx, method, phase, trainable, global_step)
             # On the mesh first: the restore then lands on the same global
             # shardings (on every process of a multi-process run).
             state = parallel.replicate(state, ctx.mesh)
@@ -257,7 +253,12 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
                 restored_state = None
             frozen = parallel.replicate(frozen, ctx.mesh)
             step_fn = compile_step(config, substeps)
+            if ahead is not None:  # the step compiled meanwhile, if it is this one
+                step_fn, record = ahead.step_fn(step_fn, state, frozen, step_rng)
+                writer.write(global_step, record)
+                ahead = None
             n_steps = method.phase_steps(config, phase)
+            ahead_asked = False
             logger.restart(global_step)
             while phase_step < n_steps:
                 batch = parallel.shard_batch(next(iterator), ctx.mesh)
@@ -270,6 +271,15 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
                 )
                 if record is not None:
                     writer.write(global_step, {"phase": phase, **record})
+                if (
+                    not ahead_asked
+                    and pi + 1 < len(phases)
+                    and method.next_shapes_settled(config, phase, phase_step, n_steps)
+                ):
+                    ahead_asked = True
+                    ahead = _Ahead.start(
+                        ctx, method, state, frozen, batch, step_rng, phases[pi + 1]
+                    )
                 progress.update(1)
                 at_end = phase_step == n_steps
                 # A preemption (SIGTERM, or simulated by stop_at_step) saves
@@ -374,6 +384,115 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
         multihost_utils.sync_global_devices("moddiffy_jax: run finished")
         results = json.loads((workdir / "results.json").read_text())
     return results
+
+
+class _Ahead:
+    """The next phase's train step compiling on a background thread while this
+    phase trains (``config.train.compile_ahead``), from the state
+    ``Method.transition`` gives now: once ``Method.next_shapes_settled``
+    says so, that state has the shapes the phase change will give. At the
+    phase change the step is lowered from the real state and the compiled
+    program used only if the two lowerings are the same text; otherwise
+    (or if the compile failed) the phase compiles as it would have. Nothing
+    the run computes depends on it."""
+
+    def __init__(self, phase: str, at_step: int, batch):
+        self.phase, self.at_step = phase, at_step
+        self.batch = batch  # a batch of the run: its shapes
+        self.seconds: float | None = None
+        self.error: str | None = None
+        self.program: tuple[str, Any] | None = None  # (lowered text's hash, compiled)
+        self.thread: threading.Thread | None = None
+
+    @classmethod
+    def start(
+        cls, ctx, method, state, frozen, batch, rng, next_phase: str
+    ) -> _Ahead | None:
+        config = ctx.config
+        if not (
+            compile_ahead_on(config)
+            and step_jit_mode(config) == "step"
+            and jax.process_count() == 1  # no second program beside collectives
+        ):
+            return None
+        ahead = cls(next_phase, int(state.step), batch)
+        # Host copies now: the next step donates these buffers.
+        trainable, frozen = jax.device_get((state.trainable, frozen))
+
+        def work():
+            start = time.time()
+            try:
+                tr, fr = method.transition(ctx, trainable, frozen, next_phase)
+                st, substeps = _phase_state(ctx, method, next_phase, tr, 0)
+                st, fr = parallel.replicate((st, fr), ctx.mesh)
+                lowered = compile_step(config, substeps).lower(st, fr, batch, rng)
+                ahead.program = (_text_hash(lowered), lowered.compile())
+            except Exception as e:  # noqa: BLE001  (an optimisation only)
+                ahead.error = f"{type(e).__name__}: {e}"
+            ahead.seconds = time.time() - start
+
+        # A daemon: a preempted run exits without waiting for the compile.
+        ahead.thread = threading.Thread(target=work, name="compile-ahead", daemon=True)
+        ahead.thread.start()
+        return ahead
+
+    def step_fn(self, step_fn, state, frozen, rng) -> tuple[Callable, dict]:
+        """The phase's compiled step (the one compiled ahead if its lowering
+        is this one) and what the metrics record of it."""
+        waited = time.time()
+        self.thread.join()
+        record: dict[str, Any] = {
+            "phase": self.phase,
+            "compile_ahead/from_step": self.at_step,
+            "compile_ahead/seconds": self.seconds,
+            "compile_ahead/waited_s": time.time() - waited,
+        }
+        lowered = step_fn.lower(state, frozen, self.batch, rng)
+        if self.program is not None and self.program[0] == _text_hash(lowered):
+            record["compile_ahead/used"] = 1
+            return self.program[1], record
+        record["compile_ahead/used"] = 0
+        if self.error is not None:
+            logging.warning(
+                "Compiling the %s step ahead failed (%s); it compiles now.",
+                self.phase,
+                self.error,
+            )
+            record["compile_ahead/error"] = self.error
+        return lowered.compile(), record
+
+
+def _phase_state(ctx, method, phase: str, trainable, global_step: int):
+    """A phase's fresh train state (new optimizer states) and its sub-steps."""
+    substeps = common.schedule_substeps(
+        method.substeps(ctx, phase, trainable),
+        ctx.config.optim,
+        method.phase_steps(ctx.config, phase),
+    )
+    state = common.TrainState(
+        step=jnp.asarray(global_step, jnp.int32),
+        trainable=trainable,
+        opt_states=common.init_opt_states(substeps, trainable),
+    )
+    return state, substeps
+
+
+def compile_ahead_on(config) -> bool:
+    """``config.train.compile_ahead``, checked: "on", "off" or "auto" (on
+    where the steps run on an accelerator, whose host's cores are free for
+    the compile; on a CPU backend the compile takes cores from the steps)."""
+    value = config.train.get("compile_ahead", "auto")
+    if value not in COMPILE_AHEAD:
+        raise ValueError(
+            f"config.train.compile_ahead={value!r}; use one of {list(COMPILE_AHEAD)} "
+            "(\"auto\": compile the next phase's step beside this phase's steps "
+            "on accelerators only)."
+        )
+    return value == "on" or (value == "auto" and jax.default_backend() != "cpu")
+
+
+def _text_hash(lowered) -> str:
+    return hashlib.sha256(lowered.as_text().encode()).hexdigest()
 
 
 def _stop_reason(config, global_step: int) -> str | None:

@@ -86,6 +86,12 @@ def no_transition(ctx, trainable: dict, frozen: dict, next_phase: str):
     return trainable, frozen
 
 
+def never_settled(
+    config: ml_collections.ConfigDict, phase: str, phase_step: int, n_steps: int
+) -> bool:
+    return False
+
+
 def no_checkpoint_extra(frozen: Mapping[str, Any]) -> dict:
     return {}
 
@@ -125,6 +131,10 @@ class Method(MethodDef):
     phase_steps: Callable[[ml_collections.ConfigDict, str], int] = phase_steps
     after_step: Callable[..., tuple[Any, dict | None]] = no_after_step
     transition: Callable[..., tuple[dict, dict]] = no_transition
+    # True from the phase step on at which the next phase's state shapes are
+    # fixed (what ``transition`` would give then has the shapes it gives at
+    # the phase's end): the loop may compile the next phase's step ahead.
+    next_shapes_settled: Callable[..., bool] = never_settled
     checkpoint_extra: Callable[[Mapping[str, Any]], Any] = no_checkpoint_extra
     restore: Callable[..., tuple[dict, dict]] = no_restore
     exports: Callable[..., dict] = no_exports

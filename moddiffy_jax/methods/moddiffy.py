@@ -165,6 +165,18 @@ def gradual_keep(config, phase_step: int, n_steps: int) -> float | None:
     return 1.0 - float(schedule(phase_step))
 
 
+def next_shapes_settled(config, phase: str, phase_step: int, n_steps: int) -> bool:
+    """True from the L0 phase's last gradual cut on: the open entries are then
+    the budget, so the exact cut at the phase's end keeps exactly them and
+    fixmask's shapes are known (the loop compiles its step ahead)."""
+    if phase != "l0" or config.diff.prune_schedule != "gradual":
+        return False
+    cuts = [
+        s for s in range(1, n_steps + 1) if gradual_keep(config, s, n_steps) is not None
+    ]
+    return bool(cuts) and phase_step >= cuts[-1]
+
+
 def adam_second_moment(opt_state: Any, key: common.Key) -> Any:
     """Adam's ``nu`` for the delta of the diff at ``key`` in a sub-step's state."""
     stack = [opt_state]
@@ -331,6 +343,7 @@ def _family(name: str, encoder: str, debias: str, description: str) -> Method:
         substeps=substeps,
         after_step=after_step,
         transition=to_fixmask,
+        next_shapes_settled=next_shapes_settled,
         checkpoint_extra=checkpoint_extra,
         restore=restore,
         exports=sparse_diffs_of,
