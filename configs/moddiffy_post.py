@@ -19,4 +19,10 @@ from moddiffy_jax.config_lib import experiment_config
 
 
 def get_config(arg=None):
-    return experiment_config("moddiffy_post", arg)
+    config = experiment_config("moddiffy_post", arg)
+    # Like the main job, the report also builds a token-merge diff per
+    # attribute on the frozen core (post hoc, as these diffs are; a few
+    # minutes on 2 cores; --config.eval.token_merge.enabled=False turns it
+    # off; docs/efficacy.md, "Stop 37").
+    config.eval.token_merge.enabled = bool(config.eval.leakage)
+    return config

@@ -401,7 +401,7 @@ class _Ahead:
         self.batch = batch  # a batch of the run: its shapes
         self.seconds: float | None = None
         self.error: str | None = None
-        self.program: tuple[str, Any] | None = None  # (lowered text's hash, compiled)
+        self.program: tuple[Any, Any] | None = None  # (_program_key, compiled)
         self.thread: threading.Thread | None = None
 
     @classmethod
@@ -426,7 +426,7 @@ class _Ahead:
                 st, substeps = _phase_state(ctx, method, next_phase, tr, 0)
                 st, fr = parallel.replicate((st, fr), ctx.mesh)
                 lowered = compile_step(config, substeps).lower(st, fr, batch, rng)
-                ahead.program = (_text_hash(lowered), lowered.compile())
+                ahead.program = (_program_key(lowered), lowered.compile())
             except Exception as e:  # noqa: BLE001  (an optimisation only)
                 ahead.error = f"{type(e).__name__}: {e}"
             ahead.seconds = time.time() - start
@@ -448,7 +448,7 @@ class _Ahead:
             "compile_ahead/waited_s": time.time() - waited,
         }
         lowered = step_fn.lower(state, frozen, self.batch, rng)
-        if self.program is not None and self.program[0] == _text_hash(lowered):
+        if self.program is not None and self.program[0] == _program_key(lowered):
             record["compile_ahead/used"] = 1
             return self.program[1], record
         record["compile_ahead/used"] = 0
@@ -491,8 +491,11 @@ def compile_ahead_on(config) -> bool:
     return value == "on" or (value == "auto" and jax.default_backend() != "cpu")
 
 
-def _text_hash(lowered) -> str:
-    return hashlib.sha256(lowered.as_text().encode()).hexdigest()
+def _program_key(lowered) -> tuple[Any, str]:
+    """What makes two lowerings the same program for the same arguments: the
+    arguments' tree and the program text (shapes, shardings and donation
+    included)."""
+    return lowered.in_tree, hashlib.sha256(lowered.as_text().encode()).hexdigest()
 
 
 def _stop_reason(config, global_step: int) -> str | None:
