@@ -149,19 +149,21 @@ def test_diff_removes_planted_attribute(tmp_path):
     train.train_and_evaluate(core_cfg, tmp_path / "core")
     _plant_gender(tmp_path / "core")
     config = _train_diff(tmp_path, "removal")
-    # The control: the same diff training without any removal term. Any
-    # training of a diff moves the representation (on this core it moves
-    # the planted direction a lot); removal is what the terms add to that.
-    _train_diff(
-        tmp_path, "control", mmd_weight=0.0, fisher_weight=0.0, target_weight=0.0
-    )
-    leak, acc, floor = _leakage(
-        config, {"removal": tmp_path / "removal", "control": tmp_path / "control"}
-    )
+    leak, acc, floor = _leakage(config, {"removal": tmp_path / "removal"})
     report = {"leak": leak, "acc": acc, "floor": floor}
     assert leak["core"] - floor > 0.12, report  # planted: something to remove
     assert composition.gap_closed(leak["core"], leak["removal"], floor) > 0.5, report
+    assert acc["removal"] > acc["core"] - 0.1, report
+    # The control, trained only once the removal is there (the test is
+    # expected to fail above until issue 11's trained diffs remove): the
+    # same diff training without any removal term. Any training of a diff
+    # moves the representation (on this core it moves the planted direction
+    # a lot); removal is what the terms add to that.
+    _train_diff(
+        tmp_path, "control", mmd_weight=0.0, fisher_weight=0.0, target_weight=0.0
+    )
+    control, _, _ = _leakage(config, {"control": tmp_path / "control"})
+    report["leak"]["control"] = control["control"]
     # Well beyond what training a diff at all does (a margin above the
     # seed-to-seed spread of this setup).
-    assert leak["removal"] < leak["control"] - 0.1, report
-    assert acc["removal"] > acc["core"] - 0.1, report
+    assert leak["removal"] < control["control"] - 0.1, report
