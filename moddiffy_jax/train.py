@@ -157,16 +157,26 @@ STEP_JIT = ("step", "substeps")
 COMPILE_AHEAD = ("auto", "on", "off")
 
 
+def _train_choice(config, key: str, default: str, choices, meaning: str) -> str:
+    """``config.train.<key>``, one of ``choices`` (else a clear error)."""
+    value = config.train.get(key, default)
+    if value not in choices:
+        raise ValueError(
+            f"config.train.{key}={value!r}; use one of {list(choices)} ({meaning})."
+        )
+    return value
+
+
 def step_jit_mode(config) -> str:
     """``config.train.step_jit``, checked."""
-    mode = config.train.get("step_jit", "step")
-    if mode not in STEP_JIT:
-        raise ValueError(
-            f"config.train.step_jit={mode!r}; use one of {list(STEP_JIT)} "
-            '("step": one program per phase, the fastest step; "substeps": '
-            "one per distinct sub-step, the least compile time)."
-        )
-    return mode
+    return _train_choice(
+        config,
+        "step_jit",
+        "step",
+        STEP_JIT,
+        '"step": one program per phase, the fastest step; "substeps": one per '
+        "distinct sub-step, the least compile time",
+    )
 
 
 def compile_step(config, substeps) -> Callable:
@@ -481,13 +491,14 @@ def compile_ahead_on(config) -> bool:
     """``config.train.compile_ahead``, checked: "on", "off" or "auto" (on
     where the steps run on an accelerator, whose host's cores are free for
     the compile; on a CPU backend the compile takes cores from the steps)."""
-    value = config.train.get("compile_ahead", "auto")
-    if value not in COMPILE_AHEAD:
-        raise ValueError(
-            f"config.train.compile_ahead={value!r}; use one of {list(COMPILE_AHEAD)} "
-            "(\"auto\": compile the next phase's step beside this phase's steps "
-            "on accelerators only)."
-        )
+    value = _train_choice(
+        config,
+        "compile_ahead",
+        "auto",
+        COMPILE_AHEAD,
+        "\"auto\": compile the next phase's step beside this phase's steps on "
+        "accelerators only",
+    )
     return value == "on" or (value == "auto" and jax.default_backend() != "cpu")
 
 
