@@ -156,9 +156,9 @@ def gradual_keep(config, phase_step: int, n_steps: int) -> float | None:
     to each cut and the final exact cut removes nothing the removal relied on.
     """
     d = config.diff  # keep is a fraction here: context.check_prune_config
-    begin, end = d.prune_start * n_steps, d.prune_end * n_steps
-    if phase_step % d.prune_every or not begin < phase_step < end + d.prune_every:
+    if not _is_cut(config, phase_step, n_steps):
         return None
+    begin, end = d.prune_start * n_steps, d.prune_end * n_steps
     schedule = masks_lib.cubic_sparsity_schedule(
         initial=0.0, final=1.0 - d.keep, begin_step=begin, end_step=end
     )
@@ -171,10 +171,17 @@ def next_shapes_settled(config, phase: str, phase_step: int, n_steps: int) -> bo
     fixmask's shapes are known (the loop compiles its step ahead)."""
     if phase != "l0" or config.diff.prune_schedule != "gradual":
         return False
-    cuts = [
-        s for s in range(1, n_steps + 1) if gradual_keep(config, s, n_steps) is not None
-    ]
+    cuts = [s for s in range(1, n_steps + 1) if _is_cut(config, s, n_steps)]
     return bool(cuts) and phase_step >= cuts[-1]
+
+
+def _is_cut(config, phase_step: int, n_steps: int) -> bool:
+    """Whether gradual pruning cuts after L0 step ``phase_step``: every
+    ``prune_every`` steps from ``prune_start`` of the phase through the
+    first cut at or past ``prune_end``."""
+    d = config.diff
+    begin, end = d.prune_start * n_steps, d.prune_end * n_steps
+    return not phase_step % d.prune_every and begin < phase_step < end + d.prune_every
 
 
 def adam_second_moment(opt_state: Any, key: common.Key) -> Any:
