@@ -62,15 +62,17 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_float(
     "token_merge_max_drop",
-    1.5,
-    "Task points a token merge may cost (read on train and dev).",
+    None,
+    "Task points a token merge may cost (read on train and dev); default: "
+    "the run's config.eval.token_merge.max_drop.",
     flag_values=FLAGS,
 )
 flags.DEFINE_float(
     "token_merge_target",
-    0.75,
+    None,
     "Share of the gap between the core's dev leakage and the floor a token "
-    "merge closes before it stops merging more (1: on to the floor).",
+    "merge closes before it stops merging more (1: on to the floor); "
+    "default: the run's config.eval.token_merge.target.",
     flag_values=FLAGS,
 )
 flags.DEFINE_bool(
@@ -82,8 +84,9 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_float(
     "strength_max_drop",
-    1.5,
-    "Task points a diff's weight may cost (read on train and dev).",
+    None,
+    "Task points a diff's weight may cost (read on train and dev); default: "
+    "the run's config.eval.strength.max_drop.",
     flag_values=FLAGS,
 )
 flags.DEFINE_bool(
@@ -105,6 +108,17 @@ def _weights(items: Sequence[str]) -> dict[str, float]:
             raise ValueError(f"--weight takes NAME=VALUE, got {item!r}")
         out[name] = float(value)
     return out
+
+
+def _step_options(run_eval, name: str, **flagged) -> dict:
+    """The keyword arguments of an optional evaluation step (``token_merge``,
+    ``strength``): the run's own ``config.eval.<name>`` settings, so that
+    re-evaluating a run builds what its end-of-run report built, with the
+    flags given on the command line (not None) in their place."""
+    section = run_eval.get(name) if run_eval is not None else None
+    options = {k: v for k, v in (section or {}).items() if k != "enabled"}
+    options.update({k: v for k, v in flagged.items() if v is not None})
+    return options
 
 
 def parse(argv: Sequence[str] | None, flag_values: flags.FlagValues) -> list[str]:
@@ -140,10 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    try:  # the run's own early-stopping subset, as its report had it
-        max_dev = composition.load_run_config(FLAGS.workdir).eval.get("probe_max_dev")
+    try:  # the run's own settings, as its report had them
+        run_eval = composition.load_run_config(FLAGS.workdir).eval
     except (FileNotFoundError, ValueError, AttributeError):
-        max_dev = None  # evaluate_run says what is wrong with the run
+        run_eval = None  # evaluate_run says what is wrong with the run
+    max_dev = run_eval.get("probe_max_dev") if run_eval is not None else None
     config = probes.ProbeConfig(
         seeds=tuple(int(s) for s in FLAGS.seeds),
         max_epochs=FLAGS.max_epochs,
@@ -161,15 +176,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             linear=FLAGS.linear,
             allow_changed_inputs=FLAGS.allow_changed_inputs,
             token_merge=(
-                {
-                    "max_drop": FLAGS.token_merge_max_drop,
-                    "target": FLAGS.token_merge_target,
-                }
+                _step_options(
+                    run_eval,
+                    "token_merge",
+                    max_drop=FLAGS.token_merge_max_drop,
+                    target=FLAGS.token_merge_target,
+                )
                 if FLAGS.token_merge
                 else None
             ),
             strength=(
-                {"max_drop": FLAGS.strength_max_drop} if FLAGS.strength else None
+                _step_options(run_eval, "strength", max_drop=FLAGS.strength_max_drop)
+                if FLAGS.strength
+                else None
             ),
         )
     except (FileNotFoundError, ValueError) as e:

@@ -140,6 +140,32 @@ def test_strength_from_the_command_line(run, capsys):
     assert "- gender: weight " in out and "- age: weight " in out
 
 
+def test_the_command_line_takes_the_runs_own_merge_and_strength_settings(
+    run, monkeypatch
+):
+    """--token_merge / --strength re-build what the run's report built (its
+    config.eval sections), with only the flags given in their place."""
+    seen = {}
+
+    def fake_evaluate_run(workdir, **kwargs):
+        seen.update(kwargs)
+        return {}
+
+    monkeypatch.setattr(composition, "evaluate_run", fake_evaluate_run)
+    monkeypatch.setattr(composition, "format_report", lambda results: "")
+    section = composition.load_run_config(run).eval
+    argv = ["--workdir", str(run), "--token_merge", "--strength"]
+    assert evaluate.main(argv + ["--token_merge_target=0.5"]) == 0
+    merge = {k: v for k, v in section.token_merge.items() if k != "enabled"}
+    assert seen["token_merge"] == {**merge, "target": 0.5}
+    assert seen["strength"] == {
+        k: v for k, v in section.strength.items() if k != "enabled"
+    }
+    assert evaluate.main(argv[:3] + ["--token_merge_max_drop=0.25"]) == 0
+    assert seen["token_merge"] == {**merge, "max_drop": 0.25}
+    assert seen["strength"] is None
+
+
 def test_diff_from_another_base_is_refused(run, tmp_path):
     """Diffs checked against a core that is not the one they were trained on."""
     import jax
