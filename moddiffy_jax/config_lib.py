@@ -93,6 +93,10 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.model.dir = ""  # empty: $MODDIFFY_MODEL_DIR or the bundled MiniLM.
     c.model.tokenizer_dir = ""
     c.model.vocab_size = 30522  # random tiny model only.
+    # Random tiny model only: its encoder layers (BertConfig.tiny, 2). The
+    # tiny configs (model=tiny) use 1: the tests' programs compile about a
+    # third faster; tests of what differs from layer to layer ask for 2.
+    c.model.num_layers = 2
     c.model.dtype = "float32"
     # Run the encoder's layers under jax.lax.scan: one compiled layer body
     # instead of one per layer (models/bert_model.BertStack; docs/speed.md).
@@ -299,6 +303,7 @@ def set_data(c: ml_collections.ConfigDict, data: str) -> None:
 def set_tiny_model(c: ml_collections.ConfigDict) -> None:
     """A tiny random BERT (MiniLM's tokenizer) that runs every method in seconds."""
     c.model.init = "random"
+    c.model.num_layers = 1
     c.train.batch_size = 8
     c.eval.batch_size = 32
     c.train.num_steps = 6

@@ -147,7 +147,7 @@ def export_hf(
     from moddiffy_jax import checkpoints
     from moddiffy_jax.config_lib import VISION_DATA
     from moddiffy_jax.eval import composition
-    from moddiffy_jax.models import bert_files
+    from moddiffy_jax.models import bert_files, text
     from moddiffy_jax.models.bert_model import BertConfig
     from moddiffy_jax.subnets import diffs as diffs_lib
 
@@ -184,7 +184,7 @@ def export_hf(
         base_json = json.loads((model_dir / "config.json").read_text())
         bert_config = BertConfig.from_hf_dict(base_json)
     else:
-        bert_config = BertConfig.tiny(vocab_size=model.vocab_size)
+        bert_config = text.random_bert_config(model)
     # The tensors must be what our loader reads back for this config.
     bert_files.convert_hf_state_dict(tensors, bert_config, source=f"{workdir} core")
     tok_dir = bert_files.resolve_model_dir(model.tokenizer_dir or model.dir or None)

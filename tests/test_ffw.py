@@ -585,12 +585,12 @@ def test_structured_selection_and_followers_on_bert(core_run):
     ctx_model = object()  # no prunable_rule / structured_followers: text defaults
     include, exclude, paths = ffw.gate_selection(cfg, ctx_model, core, head)
     assert include == (ffw.TEXT_INCLUDE,) and exclude == ()
-    assert len(paths) == 2 * 6 + 1  # Q, K, V, attn out, FFN in, FFN out; head
+    layers = config.model.num_layers
+    assert len(paths) == layers * 6 + 1  # Q, K, V, attn out, FFN in, FFN out; head
     assert paths[-1] == "task_head/output/kernel"
     followers = ffw.gate_followers(ctx_model, core, head, paths)
-    assert followers["encoder/encoder/layer_1/intermediate/dense/kernel"] == (
-        "encoder/encoder/layer_1/intermediate/dense/bias",
-    )
+    last = f"encoder/encoder/layer_{layers - 1}/intermediate/dense"
+    assert followers[f"{last}/kernel"] == (f"{last}/bias",)
     base = {"encoder": core, "task_head": head}
     state = gt.init_gates(base, [re.escape(p) for p in paths], structured=True)
     rng = np.random.default_rng(0)

@@ -93,6 +93,21 @@ class TextModel:
         return dict(self.adversaries[attribute].init(rng, h)["params"])
 
 
+def random_bert_config(model_cfg: ml_collections.ConfigDict) -> bert_lib.BertConfig:
+    """The random tiny BERT of ``model_cfg`` (``init="random"`` without a
+    ``dir``): :meth:`BertConfig.tiny` with its vocabulary and layers (runs
+    written before ``num_layers`` existed had BertConfig.tiny's 2)."""
+    layers = model_cfg.get("num_layers", 2)
+    if not isinstance(layers, int) or layers < 1:
+        raise ValueError(
+            f"config.model.num_layers={layers!r}: the random model needs a "
+            "whole number of encoder layers, at least 1."
+        )
+    return bert_lib.BertConfig.tiny(
+        vocab_size=model_cfg.vocab_size, num_hidden_layers=layers
+    )
+
+
 def load_tokenizer_for(model_cfg: ml_collections.ConfigDict):
     """The tokenizer of ``model_cfg.tokenizer_dir`` or else ``model_cfg.dir``.
 
@@ -144,7 +159,7 @@ def build_model(
                 bert_lib.resolve_model_dir(model_cfg.dir) / "config.json"
             )
         else:
-            base = bert_lib.BertConfig.tiny(vocab_size=model_cfg.vocab_size)
+            base = random_bert_config(model_cfg)
         bert_config = dataclasses.replace(base, adapter_reduction_factor=rf)
         params = bert_lib.init_params(bert_config, rng)
     else:
