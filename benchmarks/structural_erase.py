@@ -86,7 +86,7 @@ def structural_edit(flat: dict, top: np.ndarray) -> dict:
 
 def main() -> None:
     from moddiffy_jax.context import build_context
-    from moddiffy_jax.eval import composition, removal
+    from moddiffy_jax.eval import composition
     from moddiffy_jax.eval import inlp as inlp_lib
     from moddiffy_jax.subnets import selection
 
@@ -127,14 +127,7 @@ def main() -> None:
     total = sum(v.size for v in flat.values())
     edited_h = {s: rep.represent(selection.unflatten(new), s) for s in SPLITS}
     spread = float(np.ptp(edited_h["test"] @ top, axis=0).max())
-    floor = removal.leakage_floor(
-        task["train"],
-        y["train"],
-        task["test"],
-        y["test"],
-        num_task_classes=len(np.unique(task["train"])),
-        num_attr_classes=classes,
-    )
+    floor = composition.leakage_floors(ctx)[args.attribute]["floor"]
     out = {
         "directions": int(top.shape[1]),
         "entries_changed": changed,
