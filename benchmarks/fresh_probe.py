@@ -2,7 +2,8 @@ r"""The same fresh probes on our runs and on the reference's saved CLS vectors.
 
 A side-by-side efficacy table needs one measuring stick. This script reads
 frozen CLS representations of every configuration (core, core + each diff,
-core + all diffs) and, per protected attribute, fits on train and scores on
+core + all diffs, core + each token-merge diff the run's report built) and,
+per protected attribute, fits on train and scores on
 test:
 
 * ``lin``: a class-balanced logistic-regression probe (the library's
@@ -57,7 +58,9 @@ def export_run(run: Path, test_examples: int = 0) -> Path:
     """
     from moddiffy_jax import train
     from moddiffy_jax.eval import composition
+    from moddiffy_jax.subnets import diff_files
 
+    run = Path(run)
     config = composition.load_run_config(run)
     if test_examples:
         if config.data.source != "synthetic":
@@ -82,6 +85,12 @@ def export_run(run: Path, test_examples: int = 0) -> Path:
         params = evaluator.compose(art.core, [art.diffs[n] for n in names], w)
         label = "core" + "".join(f"+{n}" for n in subset)
         np.savez(out / f"{label}.npz", **split_arrays(ctx, rep, params, art.head))
+    # The token-merge diffs the run's report built (token_merge/), each alone.
+    for path in sorted((run / "token_merge").glob("*.safetensors")):
+        merge = diff_files.load_sparse_diff(path, base=art.core)
+        params = evaluator.compose(art.core, [merge])
+        arrays = split_arrays(ctx, rep, params, art.head)
+        np.savez(out / f"core+merge({path.stem}).npz", **arrays)
     return out
 
 

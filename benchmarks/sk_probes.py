@@ -1,7 +1,8 @@
 r"""Scikit-learn probes of a finished run's configurations: the independent check.
 
 For a finished run (``--run``) this exports the frozen CLS vectors of the
-core, core + each diff and core + all diffs (``benchmarks/fresh_probe.py``'s
+core, core + each diff, core + all diffs and core + each token-merge diff
+the run's report built (``benchmarks/fresh_probe.py``'s
 ``eval/reps/<configuration>.npz``, skipped when already there), then per
 attribute fits scikit-learn probes on train and scores them on test
 (``benchmarks/linear_eraser.py``'s ``probes``: logistic regression with

@@ -95,7 +95,7 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.model.vocab_size = 30522  # random tiny model only.
     # Random tiny model only: its encoder layers (BertConfig.tiny, 2). The
     # tiny configs (model=tiny) use 1: the tests' programs compile about a
-    # third faster; tests of what differs from layer to layer ask for 2.
+    # third faster; tests of what differs from layer to layer read the count.
     c.model.num_layers = 2
     c.model.dtype = "float32"
     # Run the encoder's layers under jax.lax.scan: one compiled layer body

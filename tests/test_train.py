@@ -112,6 +112,24 @@ def test_scan_layers_reaches_the_encoder():
         assert model.encoder.scan_layers is scan
 
 
+def test_the_tiny_model_has_the_configs_layers_and_refuses_none():
+    from moddiffy_jax.models import text
+
+    for layers in (1, 2):
+        config = tiny("finetune", **{"model.num_layers": layers})
+        model, params = text.build_model(
+            config.model,
+            num_task_classes=2,
+            attr_classes={},
+            adversary=None,
+            rng=jax.random.PRNGKey(0),
+        )
+        assert model.bert_config.num_hidden_layers == layers
+        assert sorted(params["encoder"]) == [f"layer_{i}" for i in range(layers)]
+    with pytest.raises(ValueError, match="num_layers=0"):
+        text.random_bert_config(tiny("finetune", **{"model.num_layers": 0}).model)
+
+
 def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path, monkeypatch):
     make = common.compile_train_step
 
