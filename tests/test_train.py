@@ -97,18 +97,22 @@ def test_post_core_and_head_bit_identical_after_step(finetune_run):
     assert "task_head" not in state.trainable
 
 
-def test_scan_layers_reaches_the_encoder():
+def _text_model(config):
+    """The text model and encoder params ``config.model`` builds."""
     from moddiffy_jax.models import text
 
+    return text.build_model(
+        config.model,
+        num_task_classes=2,
+        attr_classes={},
+        adversary=None,
+        rng=jax.random.PRNGKey(0),
+    )
+
+
+def test_scan_layers_reaches_the_encoder():
     for scan in (False, True):
-        config = tiny("moddiffy_par", **{"model.scan_layers": scan})
-        model, _ = text.build_model(
-            config.model,
-            num_task_classes=2,
-            attr_classes={},
-            adversary=None,
-            rng=jax.random.PRNGKey(0),
-        )
+        model, _ = _text_model(tiny("moddiffy_par", **{"model.scan_layers": scan}))
         assert model.encoder.scan_layers is scan
 
 
@@ -116,14 +120,7 @@ def test_the_tiny_model_has_the_configs_layers_and_refuses_none():
     from moddiffy_jax.models import text
 
     for layers in (1, 2):
-        config = tiny("finetune", **{"model.num_layers": layers})
-        model, params = text.build_model(
-            config.model,
-            num_task_classes=2,
-            attr_classes={},
-            adversary=None,
-            rng=jax.random.PRNGKey(0),
-        )
+        model, params = _text_model(tiny("finetune", **{"model.num_layers": layers}))
         assert model.bert_config.num_hidden_layers == layers
         assert sorted(params["encoder"]) == [f"layer_{i}" for i in range(layers)]
     with pytest.raises(ValueError, match="num_layers=0"):
