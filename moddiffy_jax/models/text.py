@@ -98,7 +98,7 @@ def random_bert_config(model_cfg: ml_collections.ConfigDict) -> bert_lib.BertCon
     ``dir``): :meth:`BertConfig.tiny` with its vocabulary and layers (runs
     written before ``num_layers`` existed had BertConfig.tiny's 2)."""
     layers = model_cfg.get("num_layers", 2)
-    if not isinstance(layers, int) or layers < 1:
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
         raise ValueError(
             f"config.model.num_layers={layers!r}: the random model needs a "
             "whole number of encoder layers, at least 1."
