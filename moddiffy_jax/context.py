@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import logging
 
-from moddiffy_jax import checkpoints, parallel
+from moddiffy_jax import checkpoints, objectives, parallel
 from moddiffy_jax.eval.forward import Forward
 from moddiffy_jax.methods import common, removal
 from moddiffy_jax.methods import registry as method_registry
@@ -37,6 +38,11 @@ class Context:
     # config.diff.word_rows > 0: per attribute, the token ids whose word rows
     # its diff may change (methods/word_rows.py); None: every row.
     word_tokens: dict[str, np.ndarray] | None = None
+    # config.method.swap_weight > 0: per attribute, the [vocab] token
+    # permutation that swaps its counterpart tokens (objectives/
+    # counterfactual.py) and the groups it swaps; None: no swaps.
+    swap_tables: dict[str, np.ndarray] | None = None
+    swap_groups: dict[str, list[np.ndarray]] | None = None
 
 
 def is_vision(config: ml_collections.ConfigDict) -> bool:
@@ -133,6 +139,7 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
                 "the task: set it to False."
             )
     word_tokens = _word_tokens(config, method, dataset, attributes, pretrained)
+    swap_groups = _swap_groups(method, debias, dataset, attributes, pretrained)
     if config.method.task_loss == "conf_reg":
         dataset = _with_teacher_probs(config, dataset, model)
     mesh = parallel.make_mesh(config.num_devices or None)
@@ -148,7 +155,51 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
         diff_settings=diff_settings,
         debias=debias,
         word_tokens=word_tokens,
+        swap_tables=swap_groups
+        and {
+            a: objectives.swap_table(g, vocab) for a, (g, vocab) in swap_groups.items()
+        },
+        swap_groups=swap_groups and {a: g for a, (g, _) in swap_groups.items()},
     )
+
+
+def _swap_groups(method, debias, dataset, attributes, pretrained):
+    """``config.method.swap_weight > 0``: per attribute, its counterpart
+    groups among the tokens that tell it beyond the task label on the
+    training split (methods/token_merge.py), paired by the pretrained word
+    rows, with the vocabulary size; None when the swaps are off. A
+    ValueError names what is missing."""
+    from moddiffy_jax.methods import token_merge, word_rows
+    from moddiffy_jax.subnets import selection
+
+    if debias is None or debias.swap_weight <= 0.0:
+        return None
+    table = selection.flatten(pretrained).get(word_rows.WORD_TABLE)
+    if method.debias != "modular" or table is None:
+        raise ValueError(
+            f"config.method.swap_weight={debias.swap_weight} swaps an attribute's "
+            f"tokens in the debias steps of attribute diffs; method {method.name!r} "
+            "on this model has none (it needs a modular debiasing method on a "
+            "text encoder): set it to 0."
+        )
+    table = np.asarray(table)
+    train = dataset.splits["train"]
+    out = {}
+    for attr in attributes:
+        ranked = word_rows.attribute_tokens(
+            train, [attr], debias.swap_candidates, debias.swap_share, table.shape[0]
+        )[attr]
+        groups = token_merge.counterpart_groups(train, attr, ranked, table)
+        if not groups:
+            raise ValueError(
+                f"config.method.swap_weight > 0, but attribute {attr!r} has no "
+                "counterpart tokens on the training split (no token of one class "
+                "with a telling token of another): its swap would change nothing. "
+                "Set swap_weight=0 or raise swap_candidates."
+            )
+        logging.info("swap groups for %s: %s", attr, [g.tolist() for g in groups])
+        out[attr] = ([np.asarray(g, np.int64) for g in groups], int(table.shape[0]))
+    return out
 
 
 def _word_tokens(config, method, dataset, attributes, pretrained):

@@ -379,6 +379,8 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     results["phase_steps"] = {p: method.phase_steps(config, p) for p in phases}
     if ctx.word_tokens is not None:  # config.diff.word_rows
         results["word_rows"] = _word_row_tokens(config, ctx.word_tokens)
+    if getattr(ctx, "swap_groups", None):  # config.method.swap_weight
+        results["swap_groups"] = swap_group_text(config, ctx.swap_groups)
     results["train_wall_time_s"] = time.time() - wall_start
     if config.eval.leakage and jax.process_index() == 0:
         results.update(_leakage(config, workdir, results, ctx.attributes, reps))
@@ -576,6 +578,17 @@ def _leakage(
         "floors": evaluation.get("floors", {}),
         "probe_whiten": probe_config.whiten,
         "eval_report": str(workdir / "eval" / "report.md"),
+    }
+
+
+def swap_group_text(config, groups) -> dict[str, list[list[str]]]:
+    """Each attribute's counterpart groups (config.method.swap_weight) as text."""
+    from moddiffy_jax.models import text as text_lib
+
+    tokenizer = text_lib.load_tokenizer_for(config.model)
+    return {
+        attr: [tokenizer.convert_ids_to_tokens([int(t) for t in g]) for g in gs]
+        for attr, gs in groups.items()
     }
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from moddiffy_jax import objectives
@@ -462,9 +463,11 @@ def _task_forward(
 ):
     """Encoder forward (with ``attribute``'s diff, if any) and the task term.
 
-    Returns ``(h, logits, terms, rng_for_removal, task_of)`` with
-    ``terms = {"task": loss}`` and ``task_of(h)`` the task term as a function
-    of the representations (the same head, dropout and labels).
+    Returns ``(h, logits, terms, rng_for_removal, task_of, represent)`` with
+    ``terms = {"task": loss}``, ``task_of(h)`` the task term as a function
+    of the representations (the same head, dropout and labels) and
+    ``represent(other_batch)`` the representations of another batch of the
+    same shapes under the same encoder params and dropout masks.
     """
     r_diff, r_enc, r_head, r_adv = jax.random.split(rng, 4)
     params, head = _encoder_and_head(
@@ -486,7 +489,10 @@ def _task_forward(
             task_loss, model.task_logits(head, reps, r_head, True), batch
         )
 
-    return h, logits, terms, r_adv, task_of
+    def represent(other):
+        return model.represent(params, other, r_enc, True)
+
+    return h, logits, terms, r_adv, task_of, represent
 
 
 def _undebiased_representation(
@@ -526,7 +532,7 @@ def make_task_loss(
     """Loss of the task step (plus joint debias terms and the task-diff L0)."""
 
     def loss(trainable, frozen, batch, rng):
-        h, logits, terms, r_adv, task_of = _task_forward(
+        h, logits, terms, r_adv, task_of, _ = _task_forward(
             model,
             method,
             trainable,
@@ -633,6 +639,7 @@ def make_debias_loss(
     task_loss: str = "ce",
     others: Sequence[str] = (),
     others_prob: float = 0.0,
+    swap_table: np.ndarray | None = None,
 ) -> Callable:
     """Loss of attribute ``attribute``'s modular debias step.
 
@@ -640,7 +647,14 @@ def make_debias_loss(
     attribute's diff only (the reference always penalised diff 0; spec §4.2).
     With ``others`` and ``others_prob > 0`` the forward adds each other
     attribute's diff with that probability (:func:`with_other_diffs`).
+    With ``swap_table`` ([vocab] token permutation) and
+    ``debias.swap_weight > 0`` the batch is encoded again with its tokens
+    swapped and the term ``swap/<attribute>`` pulls each changed example's
+    two representations together (objectives/counterfactual.py).
     """
+    swap = None
+    if swap_table is not None and debias.swap_weight > 0.0:
+        swap = jnp.asarray(np.asarray(swap_table, np.int32))
 
     def loss(trainable, frozen, batch, rng):
         seen, seen_frozen = trainable, frozen
@@ -656,7 +670,7 @@ def make_debias_loss(
                 phase=phase,
                 settings=diff_settings,
             )
-        h, logits, terms, r_adv, task_of = _task_forward(
+        h, logits, terms, r_adv, task_of, represent = _task_forward(
             model,
             method,
             seen,
@@ -714,6 +728,15 @@ def make_debias_loss(
             task=conditioning_labels(debias, batch, logits, core=core_prediction),
             anchor=anchor,
         )
+        if swap is not None:
+            # The batch's twin with the attribute's counterpart tokens
+            # swapped, under the same params and dropout masks.
+            ids = batch["input_ids"]
+            swapped = swap[ids]
+            h_swapped = represent({**batch, "input_ids": swapped})
+            changed = jnp.any(swapped != ids, axis=-1)
+            value = objectives.swap_invariance_loss(h, h_swapped, changed)
+            removed[f"swap/{attribute}"] = debias.swap_weight * value
         removed = removal.warmed_up(removed, batch.get(STEP_KEY), debias)
         if debias.task_guard:
             removed = _guarded(

@@ -169,6 +169,7 @@ def _debias_substeps(ctx, phase: str, trainable: dict) -> list[common.SubStep]:
             diff_settings=None,
             debias=ctx.debias,
             task_loss=ctx.config.method.task_loss,
+            swap_table=(ctx.swap_tables or {}).get(attr),
         )
         subs.append(common.SubStep(f"debias/{attr}", updates, loss, optimizer))
     return subs

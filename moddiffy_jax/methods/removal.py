@@ -129,6 +129,13 @@ class DebiasSettings:
     )
     # The task classes the removal terms condition on (config_fields).
     condition_on: str = "label"
+    # Counterfactual token swaps (objectives/counterfactual.py): weight (0 =
+    # off) of the distance between a diff's representation of each example
+    # and of its twin with the attribute's counterpart tokens swapped; the
+    # swap tables come from the training split (context.swap_tables).
+    swap_weight: float = 0.0
+    swap_candidates: int = 64
+    swap_share: float = 0.1
 
 
 def config_fields() -> ml_collections.ConfigDict:
@@ -230,6 +237,17 @@ def config_fields() -> ml_collections.ConfigDict:
     # alone), independence given the label costs that signal, while
     # independence given the decision keeps it; docs/efficacy.md, "Stop 25".
     f.condition_on = "label"
+    # Counterfactual token swaps (modular text methods; objectives/
+    # counterfactual.py): each debias step also encodes the batch with the
+    # attribute's counterpart tokens swapped (she <-> he, sister <-> brother:
+    # methods/token_merge.py's counterpart groups among at most
+    # swap_candidates tokens that tell the attribute beyond the task label,
+    # each scoring at least swap_share times the best) and pulls the two
+    # representations together with this weight. 0 = off (one encoder pass
+    # more per debias step when on).
+    f.swap_weight = 0.0
+    f.swap_candidates = 64
+    f.swap_share = 0.1
     f.adversary = ml_collections.ConfigDict({"members": 5, "hidden": 1, "dropout": 0.3})
     return f
 
@@ -669,6 +687,9 @@ _LATER_FIELDS = (
     ("attribute_weights", ""),
     ("task_projection", False),
     ("condition_on", "label"),
+    ("swap_weight", 0.0),
+    ("swap_candidates", 64),
+    ("swap_share", 0.1),
 )
 
 
@@ -781,6 +802,26 @@ def settings_from_config(
             "groups within predicted task classes; config.method.mmd_conditional="
             f"{fields['mmd_conditional']!r} reweights by the gold labels' joint "
             "table: set mmd_conditional='stratify', or condition_on='label'."
+        )
+    if not fields["swap_weight"] >= 0.0:
+        raise ValueError(
+            "config.method.swap_weight must be >= 0 (0 turns the counterfactual "
+            f"swaps off), got {fields['swap_weight']}."
+        )
+    candidates = fields["swap_candidates"]
+    if (
+        isinstance(candidates, bool)
+        or not isinstance(candidates, int)
+        or candidates < 1
+    ):
+        raise ValueError(
+            "config.method.swap_candidates must be a whole number >= 1 (how many "
+            f"telling tokens are paired into counterpart groups), got {candidates!r}."
+        )
+    if not 0.0 <= fields["swap_share"] <= 1.0:
+        raise ValueError(
+            "config.method.swap_share must be in [0, 1] (a share of the best "
+            f"token's score), got {fields['swap_share']}."
         )
     by_attr = {}
     if fields["mmd_conditional"] == "auto":

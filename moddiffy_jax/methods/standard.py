@@ -151,7 +151,9 @@ def substeps(ctx, phase: str, trainable: dict) -> list[common.SubStep]:
             settings = ctx.debias and removal.attribute_settings(
                 ctx.debias, attr, common.SHARED_ATTRIBUTE
             )
-            if compose > 0.0:
+            # Counterfactual swaps read the attribute's own swap table.
+            swaps = (getattr(ctx, "swap_tables", None) or {}).get(attr)
+            if compose > 0.0 or swaps is not None:
                 settings = None
             name = attr if settings is None else common.SHARED_ATTRIBUTE
             updates = [("diffs", name)]
@@ -160,7 +162,7 @@ def substeps(ctx, phase: str, trainable: dict) -> list[common.SubStep]:
             if head:
                 updates.append(("task_head",))
 
-            def make_loss(name=name, settings=settings):
+            def make_loss(name=name, settings=settings, swaps=swaps):
                 return common.make_debias_loss(
                     ctx.model,
                     method,
@@ -171,6 +173,7 @@ def substeps(ctx, phase: str, trainable: dict) -> list[common.SubStep]:
                     task_loss=task_loss,
                     others=tuple(a for a in ctx.attributes if a != name),
                     others_prob=compose,
+                    swap_table=swaps,
                 )
 
             if settings is None:

@@ -10,6 +10,7 @@ from moddiffy_jax.objectives.classification import (
     cross_entropy,
     majority_vote,
 )
+from moddiffy_jax.objectives.counterfactual import swap_invariance_loss, swap_table
 from moddiffy_jax.objectives.erasure import (
     TARGET_MODES,
     cell_offsets,
@@ -56,6 +57,8 @@ __all__ = [
     "get_known_bias_loss",
     "gradient_reversal",
     "task_projected",
+    "swap_invariance_loss",
+    "swap_table",
     "majority_vote",
     "kernel_matrix",
     "mmd_loss",

@@ -1,0 +1,134 @@
+"""Counterfactual token swaps (config.method.swap_weight)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moddiffy_jax import objectives, train
+from moddiffy_jax.data import synthetic
+from moddiffy_jax.methods import common
+from moddiffy_jax.models import bert
+from tests.helpers import tiny
+from tests.test_substeps import _first_step
+
+
+def test_the_swap_table_permutes_each_group_and_nothing_else():
+    table = objectives.swap_table([[3, 7], [1, 4, 9]], vocab=10)
+    np.testing.assert_array_equal(table, [0, 4, 2, 7, 9, 5, 6, 3, 8, 1])
+    assert sorted(table) == list(range(10))  # a permutation
+    assert np.array_equal(objectives.swap_table([], vocab=4), np.arange(4))
+
+
+@pytest.mark.parametrize(
+    ("groups", "message"),
+    [
+        ([[1, 2], [2, 3]], "more than one counterpart group"),
+        ([[1, 1]], "more than one counterpart group"),
+        ([[1, 12]], "outside the vocabulary"),
+    ],
+)
+def test_a_table_that_is_not_a_permutation_is_refused(groups, message):
+    with pytest.raises(ValueError, match=message):
+        objectives.swap_table(groups, vocab=10)
+
+
+def test_the_invariance_term_reads_only_the_changed_rows_in_units_of_spread():
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.normal(size=(4000, 8)), jnp.float32)
+    twin = jnp.asarray(rng.normal(size=(4000, 8)), jnp.float32)
+    every = jnp.ones(4000, bool)
+    # An unrelated twin is as far as a random other example: about 1.
+    assert float(objectives.swap_invariance_loss(h, twin, every)) == pytest.approx(
+        1.0, abs=0.05
+    )
+    assert float(objectives.swap_invariance_loss(h, h, every)) == 0.0
+    # Rows the swap does not change count for nothing, gradient included.
+    changed = jnp.arange(4000) < 10
+    near = h.at[:10].add(0.1)
+    value, grad = jax.value_and_grad(objectives.swap_invariance_loss, argnums=1)(
+        h, near, changed
+    )
+    assert float(value) > 0.0
+    assert float(jnp.abs(grad[10:]).max()) == 0.0 and float(jnp.abs(grad[:10]).max())
+    none = jnp.zeros(4000, bool)
+    assert float(objectives.swap_invariance_loss(h, twin, none)) == 0.0
+
+
+def _marker_class(tokenizer, attribute):
+    """token id -> the class whose synthetic marker words hold it."""
+    out = {}
+    for cls, phrases in synthetic.ATTR_MARKERS[attribute].items():
+        for phrase in phrases:
+            for t in tokenizer(phrase, add_special_tokens=False)["input_ids"]:
+                out.setdefault(t, set()).add(cls)
+    return out
+
+
+def test_the_groups_pair_marker_words_of_different_classes():
+    # The main job's 2,000 training examples (the tiny config's few hundred
+    # rank chance tokens among the markers).
+    ctx = train.build_context(
+        tiny(
+            "moddiffy_par",
+            **{"method.swap_weight": 1.0, "data.synthetic.num_train": 2000},
+        )
+    )
+    tokenizer = bert.load_tokenizer()
+    for attr in ("gender", "age"):
+        groups = ctx.swap_groups[attr]
+        assert groups, attr
+        classes = _marker_class(tokenizer, attr)
+        for group in groups:
+            assert len(group) == 2  # binary attributes: one token per class
+            a, b = (classes.get(int(t), set()) for t in group)
+            # Every swapped token is a marker word, and the two are markers
+            # of different classes (never two female words, say).
+            assert a and b and a != b, (attr, group, a, b)
+        table = ctx.swap_tables[attr]
+        for x, y in groups:
+            assert table[x] == y and table[y] == x
+
+
+def test_the_debias_step_reads_the_swapped_twin():
+    """With a swap table the debias loss has a ``swap/<attribute>`` term that
+    is 0 for the identity table and positive for the attribute's own."""
+    ctx, _, state, frozen, batch = _first_step(
+        "moddiffy_par", **{"method.swap_weight": 1.0}
+    )
+    table = ctx.swap_tables["gender"]
+    assert np.any(table[np.asarray(batch["input_ids"])] != batch["input_ids"])
+    values = {}
+    for name, swaps in (("own", table), ("identity", np.arange(table.size))):
+        loss = common.make_debias_loss(
+            ctx.model,
+            ctx.method,
+            "gender",
+            phase="l0",
+            diff_settings=ctx.diff_settings,
+            debias=ctx.debias,
+            swap_table=swaps,
+        )
+        _, terms = loss(state.trainable, frozen, batch, jax.random.PRNGKey(1))
+        values[name] = float(terms["swap/gender"])
+    assert values["identity"] == 0.0
+    assert values["own"] > 0.0
+
+
+@pytest.mark.parametrize(
+    ("method", "overrides", "message"),
+    [
+        ("moddiffy_par", {"method.swap_weight": -1.0}, "swap_weight must be >= 0"),
+        ("moddiffy_par", {"method.swap_candidates": True}, "whole number >= 1"),
+        ("moddiffy_par", {"method.swap_share": 2.0}, "swap_share must be in"),
+        ("diffprun_debias", {"method.swap_weight": 1.0}, "modular debiasing"),
+    ],
+)
+def test_bad_swap_settings_name_the_fix(method, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        train.build_context(tiny(method, "", **overrides))
+
+
+def test_a_run_records_its_swap_groups_as_text():
+    got = train.swap_group_text(tiny("moddiffy_par"), {"gender": [[2016, 2002]]})
+    assert got == {"gender": [["she", "he"]]}
