@@ -169,15 +169,15 @@ def _swap_groups(method, debias, dataset, attributes, pretrained):
     training split (methods/token_merge.py), paired by the pretrained word
     rows, with the vocabulary size; None when the swaps are off. A
     ValueError names what is missing."""
-    from moddiffy_jax.methods import token_merge, word_rows
+    from moddiffy_jax.methods import attribute_weights, token_merge, word_rows
     from moddiffy_jax.subnets import selection
 
-    if debias is None or debias.swap_weight <= 0.0:
+    if debias is None or not attribute_weights.uses_weight(debias, "swap_weight"):
         return None
     table = selection.flatten(pretrained).get(word_rows.WORD_TABLE)
     if method.debias != "modular" or table is None:
         raise ValueError(
-            f"config.method.swap_weight={debias.swap_weight} swaps an attribute's "
+            "config.method.swap_weight > 0 swaps an attribute's "
             f"tokens in the debias steps of attribute diffs; method {method.name!r} "
             "on this model has none (it needs a modular debiasing method on a "
             "text encoder): set it to 0."
@@ -186,6 +186,8 @@ def _swap_groups(method, debias, dataset, attributes, pretrained):
     train = dataset.splits["train"]
     out = {}
     for attr in attributes:
+        if attribute_weights.for_attribute(debias, attr).swap_weight <= 0.0:
+            continue
         ranked = word_rows.attribute_tokens(
             train, [attr], debias.swap_candidates, debias.swap_share, table.shape[0]
         )[attr]

@@ -132,3 +132,16 @@ def test_bad_swap_settings_name_the_fix(method, overrides, message):
 def test_a_run_records_its_swap_groups_as_text():
     got = train.swap_group_text(tiny("moddiffy_par"), {"gender": [[2016, 2002]]})
     assert got == {"gender": [["she", "he"]]}
+
+
+def test_per_attribute_swap_weights_swap_only_those_attributes():
+    ctx = train.build_context(
+        tiny(
+            "moddiffy_par",
+            **{
+                "method.attribute_weights": "gender: swap_weight=2",
+                "data.synthetic.num_train": 2000,
+            },
+        )
+    )
+    assert set(ctx.swap_tables) == {"gender"}

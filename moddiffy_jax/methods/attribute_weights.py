@@ -16,7 +16,13 @@ from typing import Any
 
 #: The removal weights ``config.method.attribute_weights`` can set per
 #: attribute.
-ATTRIBUTE_WEIGHTS = ("mmd_weight", "fisher_weight", "target_weight", "adv_lambda")
+ATTRIBUTE_WEIGHTS = (
+    "mmd_weight",
+    "fisher_weight",
+    "target_weight",
+    "adv_lambda",
+    "swap_weight",
+)
 
 
 def for_attribute(settings: Any, attribute: str) -> Any:

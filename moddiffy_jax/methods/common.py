@@ -653,7 +653,8 @@ def make_debias_loss(
     two representations together (objectives/counterfactual.py).
     """
     swap = None
-    if swap_table is not None and debias.swap_weight > 0.0:
+    swap_weight = attribute_weights.for_attribute(debias, attribute).swap_weight
+    if swap_table is not None and swap_weight > 0.0:
         swap = jnp.asarray(np.asarray(swap_table, np.int32))
 
     def loss(trainable, frozen, batch, rng):
@@ -736,7 +737,7 @@ def make_debias_loss(
             h_swapped = represent({**batch, "input_ids": swapped})
             changed = jnp.any(swapped != ids, axis=-1)
             value = objectives.swap_invariance_loss(h, h_swapped, changed)
-            removed[f"swap/{attribute}"] = debias.swap_weight * value
+            removed[f"swap/{attribute}"] = swap_weight * value
         removed = removal.warmed_up(removed, batch.get(STEP_KEY), debias)
         if debias.task_guard:
             removed = _guarded(

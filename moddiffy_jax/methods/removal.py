@@ -200,7 +200,8 @@ def config_fields() -> ml_collections.ConfigDict:
     # Per-attribute removal weights, overriding the shared ones above for the
     # attributes named: "age: fisher_weight=100, mmd_weight=5; gender:
     # mmd_weight=3" (fields: mmd_weight, fisher_weight, target_weight,
-    # adv_lambda). Empty: every attribute reads the shared weights.
+    # adv_lambda, swap_weight). Empty: every attribute reads the shared
+    # weights.
     f.attribute_weights = ""
     # Modular debias steps: the removal terms' gradient on each example's
     # representation loses its component against the task gradient (as in
