@@ -145,3 +145,41 @@ def test_per_attribute_swap_weights_swap_only_those_attributes():
         )
     )
     assert set(ctx.swap_tables) == {"gender"}
+
+
+def test_a_fixed_twin_reads_the_same_term_with_a_one_sided_gradient():
+    grads = {}
+    for twin in (True, False):
+        ctx, _, state, frozen, batch = _first_step(
+            "moddiffy_par",
+            **{
+                "method.swap_weight": 1.0,
+                "method.mmd_weight": 0.0,
+                "method.fisher_weight": 0.0,
+                "method.swap_twin_gradient": twin,
+            },
+        )
+        loss = common.make_debias_loss(
+            ctx.model,
+            ctx.method,
+            "gender",
+            phase="l0",
+            diff_settings=ctx.diff_settings,
+            debias=ctx.debias,
+            swap_table=ctx.swap_tables["gender"],
+        )
+
+        def swap_term(diff, loss=loss, state=state, frozen=frozen, batch=batch):
+            trainable = {**state.trainable, "diffs": {**state.trainable["diffs"]}}
+            trainable["diffs"]["gender"] = diff
+            _, terms = loss(trainable, frozen, batch, jax.random.PRNGKey(1))
+            return terms["swap/gender"]
+
+        value, grad = jax.value_and_grad(swap_term)(state.trainable["diffs"]["gender"])
+        grads[twin] = (float(value), jax.tree.leaves(grad))
+    assert grads[True][0] == pytest.approx(grads[False][0], rel=1e-6)
+    assert grads[True][0] > 0.0
+    assert any(
+        not np.allclose(a, b)
+        for a, b in zip(grads[True][1], grads[False][1], strict=True)
+    )

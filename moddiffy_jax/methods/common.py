@@ -735,6 +735,8 @@ def make_debias_loss(
             ids = batch["input_ids"]
             swapped = swap[ids]
             h_swapped = represent({**batch, "input_ids": swapped})
+            if not debias.swap_twin_gradient:
+                h_swapped = jax.lax.stop_gradient(h_swapped)
             changed = jnp.any(swapped != ids, axis=-1)
             value = objectives.swap_invariance_loss(h, h_swapped, changed)
             removed[f"swap/{attribute}"] = swap_weight * value

@@ -136,6 +136,10 @@ class DebiasSettings:
     swap_weight: float = 0.0
     swap_candidates: int = 64
     swap_share: float = 0.1
+    # False: the twin is a fixed target (no gradient through its pass, so
+    # the swap costs one forward pass per debias step instead of a forward
+    # and a backward).
+    swap_twin_gradient: bool = True
 
 
 def config_fields() -> ml_collections.ConfigDict:
@@ -249,6 +253,9 @@ def config_fields() -> ml_collections.ConfigDict:
     f.swap_weight = 0.0
     f.swap_candidates = 64
     f.swap_share = 0.1
+    # False: no gradient through the twin's pass (a forward pass per debias
+    # step instead of a forward and a backward); the pull is one-sided.
+    f.swap_twin_gradient = True
     f.adversary = ml_collections.ConfigDict({"members": 5, "hidden": 1, "dropout": 0.3})
     return f
 
@@ -691,6 +698,7 @@ _LATER_FIELDS = (
     ("swap_weight", 0.0),
     ("swap_candidates", 64),
     ("swap_share", 0.1),
+    ("swap_twin_gradient", True),
 )
 
 
