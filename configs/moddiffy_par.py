@@ -8,7 +8,7 @@ Run (from the repository root)::
 Arguments after ":" are comma-separated key=value pairs: data=synthetic|dwmw17
 (synthetic is generated in code; dwmw17 reads
 ../shared/data/dwmw17_dialect by path), model=minilm|tiny,
-objective=mmd|adversarial (default mmd), scale=cpu|paper (paper: the
+objective=mmd|adversarial|swap (default mmd), scale=cpu|paper (paper: the
 paper's 15 + 15 epochs at batch 64 and lr 2e-5, for accelerators, e.g.
 configs/moddiffy_par.py:data=dwmw17,scale=paper --config.model.dir=DIR with
 a BERT-base directory or cached Hub name). Any field can be overridden with

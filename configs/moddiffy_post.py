@@ -8,7 +8,8 @@ Run (from the repository root)::
 Arguments after ":" are comma-separated key=value pairs: data=synthetic|dwmw17
 (synthetic is generated in code; dwmw17 reads
 ../shared/data/dwmw17_dialect by path), model=minilm|tiny,
-objective=mmd|adversarial (default mmd). Any field can be overridden with
+objective=mmd|adversarial|swap (default mmd; swap: the counterfactual
+token swaps alone, docs/efficacy.md "Stop 39"). Any field can be overridden with
 --config.<field>=<value>; the config is locked, so a misspelled field fails.
 
 MoDDiffy-post needs a finished finetune run of the same data and model:

@@ -5,7 +5,7 @@ defaults of the MoDDiffy paper (learning rates, L0 weight, hard-concrete
 constants, adversary ensemble). ``configs/<method>.py`` files call
 ``experiment_config(method, arg)``, where ``arg`` is a comma-separated list of
 ``key=value`` (``data=synthetic|dwmw17``, ``model=minilm|tiny``,
-``objective=adversarial|mmd``), and return the config locked, so a misspelled
+``objective=adversarial|mmd|swap``), and return the config locked, so a misspelled
 override fails instead of being ignored.
 """
 
@@ -26,7 +26,7 @@ DWMW17_PATH = "../shared/data/dwmw17_dialect/dwmw17_dialect.csv"
 _ARG_KEYS = {
     "data": ("synthetic", "dwmw17", "mnli", "bmnist", "mcmnist"),
     "model": ("minilm", "tiny"),
-    "objective": ("adversarial", "mmd"),
+    "objective": ("adversarial", "mmd", "swap"),
     # The task term: cross-entropy or a known-bias loss (SRNets, spec A7).
     "loss": ("ce", "poe", "reweighting", "conf_reg"),
     # SRNets per-matrix sparsity (the reference scripts' grid).
@@ -527,6 +527,9 @@ def experiment_config(method: str, arg: str | None) -> ml_collections.ConfigDict
         c.method.objective = opts["objective"]
         if opts["objective"] != "mmd":
             c.method.fisher_weight = 0.0  # it reads the whitened MMD's statistics.
+        if opts["objective"] == "swap":
+            # The counterfactual swaps alone (docs/efficacy.md, "Stop 39").
+            c.method.swap_weight = 10.0
     elif opts["objective"] != _ARG_DEFAULTS["objective"]:
         raise ValueError(
             f"objective={opts['objective']} is a removal argument; method "

@@ -183,3 +183,24 @@ def test_a_fixed_twin_reads_the_same_term_with_a_one_sided_gradient():
         not np.allclose(a, b)
         for a, b in zip(grads[True][1], grads[False][1], strict=True)
     )
+
+
+def test_objective_swap_trains_with_the_swaps_alone():
+    ctx, substeps, state, frozen, batch = _first_step(
+        "moddiffy_par", arg="objective=swap", **{"data.synthetic.num_train": 2000}
+    )
+    assert ctx.debias.objective == "swap" and ctx.debias.swap_weight == 10.0
+    assert set(ctx.swap_tables) == {"gender", "age"}
+    assert not {"mmd_stats", "fisher_stats", "adversaries"} & set(state.trainable)
+    gender = [s for s in substeps if s.name == "debias/gender"]
+    _, metrics = jax.jit(common.make_train_step(gender))(
+        state, frozen, batch, jax.random.PRNGKey(0)
+    )
+    terms = {k.split("/")[-2] for k in metrics if k.startswith("debias/gender/")}
+    assert "swap" in terms and not {"mmd", "fisher", "adv"} & terms, sorted(metrics)
+
+
+def test_objective_swap_without_a_weight_names_the_fix():
+    config = tiny("moddiffy_par", "objective=swap", **{"method.swap_weight": 0.0})
+    with pytest.raises(ValueError, match="set config.method.swap_weight > 0"):
+        train.build_context(config)

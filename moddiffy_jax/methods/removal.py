@@ -32,7 +32,9 @@ from moddiffy_jax.methods.attribute_weights import (
 from moddiffy_jax.methods.terms import INFO_KEY, STATE_KEY
 from moddiffy_jax.objectives import mmd as objectives_mmd
 
-DEBIAS_OBJECTIVES = ("adversarial", "mmd")
+#: "swap": the counterfactual token swaps alone (``swap_weight``; no
+#: adversaries, no MMD statistics).
+DEBIAS_OBJECTIVES = ("adversarial", "mmd", "swap")
 ADV_LOSSES = ("grl", "confusion")
 MMD_CONDITIONS = ("stratify", "reweight", "residual", "auto", "none")
 #: What the removal terms condition on (DebiasSettings.condition_on).
@@ -146,7 +148,8 @@ def config_fields() -> ml_collections.ConfigDict:
     """The removal recipe's fields of ``config.method`` (read by
     :func:`settings_from_config`); only methods that debias carry them."""
     f = ml_collections.ConfigDict()
-    # "mmd" (default) or "adversarial". Measured on MiniLM (docs/efficacy.md):
+    # "mmd" (default), "adversarial" or "swap" (the counterfactual swaps
+    # alone, swap_weight below). Measured on MiniLM (docs/efficacy.md):
     # adversaries, by gradient reversal or confusion, are fooled in the loop
     # while a fresh probe reads the attribute as well as on the core; the
     # unbiased task-conditional MMD with gradual pruning removes part of it.
@@ -280,6 +283,8 @@ def debias_term(
     (under the same dropout), which the erased-target term needs.
     """
     settings = for_attribute(settings, attribute)
+    if settings.objective == "swap":
+        return {}  # the swap term is the debias step's (methods/common.py).
     if settings.objective == "adversarial":
         params = trainable["adversaries"][attribute]
         if settings.adv_loss == "grl":
@@ -831,6 +836,15 @@ def settings_from_config(
         raise ValueError(
             "config.method.swap_share must be in [0, 1] (a share of the best "
             f"token's score), got {fields['swap_share']}."
+        )
+    if method.objective == "swap" and not any(
+        w.get("swap_weight", fields["swap_weight"]) > 0.0
+        for w in [{}, *fields["attribute_weights"].values()]
+    ):
+        raise ValueError(
+            "config.method.objective='swap' removes by the counterfactual swaps "
+            "alone: set config.method.swap_weight > 0 (10 measured; docs/"
+            "efficacy.md, 'Stop 39')."
         )
     by_attr = {}
     if fields["mmd_conditional"] == "auto":
