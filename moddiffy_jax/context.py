@@ -139,7 +139,7 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
                 "the task: set it to False."
             )
     word_tokens = _word_tokens(config, method, dataset, attributes, pretrained)
-    swap_groups = _swap_groups(method, debias, dataset, attributes, pretrained)
+    swap_groups, swap_tables = _swaps(method, debias, dataset, attributes, pretrained)
     if config.method.task_loss == "conf_reg":
         dataset = _with_teacher_probs(config, dataset, model)
     mesh = parallel.make_mesh(config.num_devices or None)
@@ -155,25 +155,23 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
         diff_settings=diff_settings,
         debias=debias,
         word_tokens=word_tokens,
-        swap_tables=swap_groups
-        and {
-            a: objectives.swap_table(g, vocab) for a, (g, vocab) in swap_groups.items()
-        },
-        swap_groups=swap_groups and {a: g for a, (g, _) in swap_groups.items()},
+        swap_tables=swap_tables,
+        swap_groups=swap_groups,
     )
 
 
-def _swap_groups(method, debias, dataset, attributes, pretrained):
+def _swaps(method, debias, dataset, attributes, pretrained):
     """``config.method.swap_weight > 0``: per attribute, its counterpart
     groups among the tokens that tell it beyond the task label on the
     training split (methods/token_merge.py), paired by the pretrained word
-    rows, with the vocabulary size; None when the swaps are off. A
-    ValueError names what is missing."""
+    rows, and the swap table they make (objectives/counterfactual.py);
+    ``(None, None)`` when the swaps are off. A ValueError names what is
+    missing."""
     from moddiffy_jax.methods import attribute_weights, token_merge, word_rows
     from moddiffy_jax.subnets import selection
 
     if debias is None or not attribute_weights.uses_weight(debias, "swap_weight"):
-        return None
+        return None, None
     table = selection.flatten(pretrained).get(word_rows.WORD_TABLE)
     if method.debias != "modular" or table is None:
         raise ValueError(
@@ -184,7 +182,7 @@ def _swap_groups(method, debias, dataset, attributes, pretrained):
         )
     table = np.asarray(table)
     train = dataset.splits["train"]
-    out = {}
+    groups_of, tables = {}, {}
     for attr in attributes:
         if attribute_weights.for_attribute(debias, attr).swap_weight <= 0.0:
             continue
@@ -200,8 +198,9 @@ def _swap_groups(method, debias, dataset, attributes, pretrained):
                 "Set swap_weight=0 or raise swap_candidates."
             )
         logging.info("swap groups for %s: %s", attr, [g.tolist() for g in groups])
-        out[attr] = ([np.asarray(g, np.int64) for g in groups], int(table.shape[0]))
-    return out
+        groups_of[attr] = [np.asarray(g, np.int64) for g in groups]
+        tables[attr] = objectives.swap_table(groups_of[attr], table.shape[0])
+    return groups_of, tables
 
 
 def _word_tokens(config, method, dataset, attributes, pretrained):
