@@ -90,6 +90,19 @@ def test_the_groups_pair_marker_words_of_different_classes():
             assert table[x] == y and table[y] == x
 
 
+def _gender_loss(ctx, swaps):
+    """The gender debias step's loss (L0 phase) with swap table ``swaps``."""
+    return common.make_debias_loss(
+        ctx.model,
+        ctx.method,
+        "gender",
+        phase="l0",
+        diff_settings=ctx.diff_settings,
+        debias=ctx.debias,
+        swap_table=swaps,
+    )
+
+
 def test_the_debias_step_reads_the_swapped_twin():
     """With a swap table the debias loss has a ``swap/<attribute>`` term that
     is 0 for the identity table and positive for the attribute's own."""
@@ -100,15 +113,7 @@ def test_the_debias_step_reads_the_swapped_twin():
     assert np.any(table[np.asarray(batch["input_ids"])] != batch["input_ids"])
     values = {}
     for name, swaps in (("own", table), ("identity", np.arange(table.size))):
-        loss = common.make_debias_loss(
-            ctx.model,
-            ctx.method,
-            "gender",
-            phase="l0",
-            diff_settings=ctx.diff_settings,
-            debias=ctx.debias,
-            swap_table=swaps,
-        )
+        loss = _gender_loss(ctx, swaps)
         _, terms = loss(state.trainable, frozen, batch, jax.random.PRNGKey(1))
         values[name] = float(terms["swap/gender"])
     assert values["identity"] == 0.0
@@ -159,15 +164,7 @@ def test_a_fixed_twin_reads_the_same_term_with_a_one_sided_gradient():
                 "method.swap_twin_gradient": twin,
             },
         )
-        loss = common.make_debias_loss(
-            ctx.model,
-            ctx.method,
-            "gender",
-            phase="l0",
-            diff_settings=ctx.diff_settings,
-            debias=ctx.debias,
-            swap_table=ctx.swap_tables["gender"],
-        )
+        loss = _gender_loss(ctx, ctx.swap_tables["gender"])
 
         def swap_term(diff, loss=loss, state=state, frozen=frozen, batch=batch):
             trainable = {**state.trainable, "diffs": {**state.trainable["diffs"]}}

@@ -81,6 +81,18 @@ def _plant_gender(core_dir):
     manifest.write_manifest(path.parent, fingerprint=sparse_diff.fingerprint(core))
 
 
+def _planted_core(tmp_path):
+    """A tiny finetune core in ``tmp_path / "core"``, gender planted."""
+    core_cfg = experiment_config("finetune", "model=tiny")
+    core_cfg.unlock()
+    _data(core_cfg)
+    core_cfg.train.num_steps = 48
+    core_cfg.optim.lr_encoder = 1e-3
+    core_cfg.lock()
+    train.train_and_evaluate(core_cfg, tmp_path / "core")
+    _plant_gender(tmp_path / "core")
+
+
 def _train_diff(tmp_path, name, **method_overrides):
     """MoDDiffy-post on the planted core; the diff's run directory."""
     config = experiment_config("moddiffy_post", "model=tiny")
@@ -146,14 +158,7 @@ def _leakage(config, run_dirs):
     ),
 )
 def test_diff_removes_planted_attribute(tmp_path):
-    core_cfg = experiment_config("finetune", "model=tiny")
-    core_cfg.unlock()
-    _data(core_cfg)
-    core_cfg.train.num_steps = 48
-    core_cfg.optim.lr_encoder = 1e-3
-    core_cfg.lock()
-    train.train_and_evaluate(core_cfg, tmp_path / "core")
-    _plant_gender(tmp_path / "core")
+    _planted_core(tmp_path)
     config = _train_diff(tmp_path, "removal")
     leak, acc, floor = _leakage(config, {"removal": tmp_path / "removal"})
     report = {"leak": leak, "acc": acc, "floor": floor}
@@ -181,14 +186,7 @@ def test_a_swap_diff_removes_the_planted_attribute(tmp_path):
     swap term alone, takes a fresh linear probe most of the way from the
     core to the floor and well below the control (the same training without
     any removal term), with the task kept."""
-    core_cfg = experiment_config("finetune", "model=tiny")
-    core_cfg.unlock()
-    _data(core_cfg)
-    core_cfg.train.num_steps = 48
-    core_cfg.optim.lr_encoder = 1e-3
-    core_cfg.lock()
-    train.train_and_evaluate(core_cfg, tmp_path / "core")
-    _plant_gender(tmp_path / "core")
+    _planted_core(tmp_path)
     config = _train_diff(
         tmp_path, "swap", swap_weight=10.0, mmd_weight=0.0, fisher_weight=0.0
     )
