@@ -21,7 +21,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from absl import logging
 
 from moddiffy_jax import objectives
@@ -29,6 +28,7 @@ from moddiffy_jax.methods.attribute_weights import (
     for_attribute,
     parse_attribute_weights,
 )
+from moddiffy_jax.methods.removal_config import config_fields  # noqa: F401 (re-exported)
 from moddiffy_jax.methods.terms import INFO_KEY, STATE_KEY
 from moddiffy_jax.objectives import mmd as objectives_mmd
 
@@ -142,125 +142,6 @@ class DebiasSettings:
     # the swap costs one forward pass per debias step instead of a forward
     # and a backward).
     swap_twin_gradient: bool = True
-
-
-def config_fields() -> ml_collections.ConfigDict:
-    """The removal recipe's fields of ``config.method`` (read by
-    :func:`settings_from_config`); only methods that debias carry them."""
-    f = ml_collections.ConfigDict()
-    # "mmd" (default), "adversarial" or "swap" (the counterfactual swaps
-    # alone, swap_weight below). Measured on MiniLM (docs/efficacy.md):
-    # adversaries, by gradient reversal or confusion, are fooled in the loop
-    # while a fresh probe reads the attribute as well as on the core; the
-    # unbiased task-conditional MMD with gradual pruning removes part of it.
-    f.objective = "mmd"
-    f.adv_lambda = 1.0
-    # "grl": gradient reversal (the paper); "confusion": the adversaries fit
-    # detached representations and the encoder/diff pulls their prediction to
-    # the attribute distribution given the task label (objectives/adversarial).
-    f.adv_loss = "grl"
-    f.mmd_weight = 10.0  # 3 removed less, same task cost (efficacy.md)
-    # MMD kernel: "gaussian" (scale-invariant multi-bandwidth), "linear"
-    # (first-moment matching), or "both". Conditioning on the task label:
-    # "stratify" compares the attribute's groups within each task class,
-    # "reweight" weights members by P(a) / P(a | y) so each group has the
-    # marginal task distribution, "residual" reweights after subtracting each
-    # task class's batch mean (no task distance left in the kernel), "none"
-    # ignores the task (objectives/mmd.py).
-    f.mmd_kernel = "both"
-    f.mmd_conditional = "stratify"
-    # Whitening: the kernels read the representations in the metric of a
-    # running within-group covariance (EMA with this decay; ridge of shrinkage
-    # times the geometric mean of the eigenvalues seen), the metric a fresh
-    # linear probe reads. Without it a diff can meet the MMD by inflating one
-    # direction while a probe still reads the attribute (docs/efficacy.md).
-    f.mmd_whiten = True
-    f.mmd_whiten_decay = 0.98
-    f.mmd_whiten_shrinkage = 0.1
-    # Whose scatter: "attribute" (the groups a probe of the attribute tells
-    # apart; the task's spread counts) or "cell" ((task, attribute) pairs).
-    f.mmd_whiten_within = "attribute"
-    # Running linear erasure (objectives/erasure.py): the whitened distance
-    # of the attribute groups' means, read along a running average of where
-    # they differ (a per-batch estimate is mostly sampling noise). Weight
-    # (0 = off) and the running average's decay.
-    # Measured on MiniLM (docs/efficacy.md, "Stop 13"): with it a linear
-    # probe reads less of both attributes than with the MMD alone on every
-    # seed-0 variant tried; decay 0.8 tracked age better than 0.95.
-    f.fisher_weight = 10.0
-    f.fisher_decay = 0.8
-    # Erased targets (objectives/erasure.py): the modular debias step pulls
-    # the diff's representation of each input to the core's with the
-    # attribute's within-class offsets erased ("project": LEACE-style along
-    # their directions; "shift": each row moved by its cell's offset).
-    # Weight (0 = off), the running cell means' decay, the form. Measured
-    # on MiniLM (docs/efficacy.md, "Stop 14"): on top of the default, both
-    # forms removed nothing (the pull to the core keeps the attribute too).
-    f.target_weight = 0.0
-    f.target_decay = 0.9
-    f.target_mode = "project"
-    # Memory: the MMD's groups also hold the (detached) representations of
-    # this many previous batches with their attribute and task labels, so
-    # its task-conditional groups are as large as a batch (memory + 1)
-    # times the size, at the step cost of one batch. 0 = the batch alone.
-    f.removal_memory = 0
-    # Per-attribute removal weights, overriding the shared ones above for the
-    # attributes named: "age: fisher_weight=100, mmd_weight=5; gender:
-    # mmd_weight=3" (fields: mmd_weight, fisher_weight, target_weight,
-    # adv_lambda, swap_weight). Empty: every attribute reads the shared
-    # weights.
-    f.attribute_weights = ""
-    # Modular debias steps: the removal terms' gradient on each example's
-    # representation loses its component against the task gradient (as in
-    # PCGrad, per row of the representation), so a removal step does not
-    # raise the task loss to first order through the representation.
-    f.task_projection = False
-    # The removal terms ramp linearly from 0 to full weight over the first
-    # steps (the running statistics are collected from step 0): in
-    # MoDDiffy-par the core learns the task meanwhile. 0 = full from step 0.
-    f.removal_warmup_steps = 0
-    # Modular debias steps: weight of the KL divergence from the core's own
-    # task prediction (no diff, no gradient) to the prediction with the diff,
-    # so removing an attribute does not remove the task with it. 0 = off.
-    f.task_distill = 0.0
-    # Task guard: each diff's removal weight backs off (down to 1 %) while the
-    # diff's running accuracy on the training batches trails the core's by
-    # more than the slack, and comes back while it does not (dual ascent on
-    # "the diff keeps the task"; docs/efficacy.md).
-    f.task_guard = False
-    f.task_guard_slack = 0.01
-    f.task_guard_rate = 1.0
-    f.task_guard_decay = 0.9
-    # The step the guard starts moving the weights at (0: from the start).
-    # Measured on MiniLM (docs/efficacy.md, "Stop 23"): until gradual pruning
-    # reaches the budget the dense diffs trail the core by 10-36 points at
-    # any removal weight, and a guard from step 0 gives the removal up.
-    f.task_guard_start = 0
-    f.freeze_task_head = False  # in modular debias steps.
-    # What the task-conditional removal terms condition on: "label" (the
-    # gold task label), "prediction" (the model's own predicted class) or
-    # "core_prediction" (the core's, modular methods). Where the attribute
-    # carries task signal the label cannot explain (the main job's data:
-    # text + gender + age predict the label 3.6 points better than the text
-    # alone), independence given the label costs that signal, while
-    # independence given the decision keeps it; docs/efficacy.md, "Stop 25".
-    f.condition_on = "label"
-    # Counterfactual token swaps (modular text methods; objectives/
-    # counterfactual.py): each debias step also encodes the batch with the
-    # attribute's counterpart tokens swapped (she <-> he, sister <-> brother:
-    # methods/token_merge.py's counterpart groups among at most
-    # swap_candidates tokens that tell the attribute beyond the task label,
-    # each scoring at least swap_share times the best) and pulls the two
-    # representations together with this weight. 0 = off (one encoder pass
-    # more per debias step when on).
-    f.swap_weight = 0.0
-    f.swap_candidates = 64
-    f.swap_share = 0.1
-    # False: no gradient through the twin's pass (a forward pass per debias
-    # step instead of a forward and a backward); the pull is one-sided.
-    f.swap_twin_gradient = True
-    f.adversary = ml_collections.ConfigDict({"members": 5, "hidden": 1, "dropout": 0.3})
-    return f
 
 
 def debias_term(
