@@ -103,6 +103,8 @@ def run_one(
     step_jit: str = "step",
     trace_dir: str | None = None,
     scan_layers: bool = False,
+    attention: str = "xla",
+    attention_dropout: float = -1.0,
 ):
     """Measures one configuration in this process; returns a dict.
 
@@ -111,7 +113,8 @@ def run_one(
 
     ``objective`` (methods that remove an attribute only): "adversarial" for
     the paper's (and the reference code's) removal step, "mmd" or "" for the
-    library's default recipe.
+    library's default recipe. ``attention`` and ``attention_dropout`` are
+    ``config.model``'s (the kernel; a negative dropout keeps the model's).
     """
     import resource
 
@@ -133,6 +136,8 @@ def run_one(
         config.model.dtype = dtype
         config.train.step_jit = step_jit
         config.model.scan_layers = scan_layers
+        config.model.attention = attention
+        config.model.attention_dropout = attention_dropout
         config.data.synthetic.num_train = max(4 * batch, 256)
         if model == "tiny":
             config.model.init = "random"
@@ -190,6 +195,8 @@ def run_one(
         "objective": str(config.method.get("objective", "")),
         "step_jit": step_jit,
         "scan_layers": scan_layers,
+        "attention": attention,
+        "attention_dropout": attention_dropout,
         "substeps": [s.name for s in substeps],
         "compile_s": round(compile_s, 2),
         "step_s_median": round(median, 4),

@@ -86,6 +86,8 @@ def step_row(
     trace_dir=None,
     step_jit="step",
     scan_layers=False,
+    attention="xla",
+    attention_dropout=-1.0,
 ) -> dict:
     row = bench_steps.run_one(
         method,
@@ -98,6 +100,8 @@ def step_row(
         step_jit=step_jit,
         trace_dir=trace_dir,
         scan_layers=scan_layers,
+        attention=attention,
+        attention_dropout=attention_dropout,
     )
     with open(os.path.join(bench_steps._bert_base_dir(), "config.json")) as f:
         cfg = json.load(f)
@@ -154,6 +158,13 @@ def compose_rows(keep: float, repeats: int) -> list[dict]:
     return rows
 
 
+def parse_attention(entry: str) -> tuple[str, float]:
+    """``"cudnn:0"`` -> ("cudnn", 0.0); ``"xla"`` -> ("xla", -1.0) (the model's
+    own attention dropout)."""
+    kernel, _, dropout = entry.partition(":")
+    return kernel, float(dropout) if dropout else -1.0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=32)
@@ -174,6 +185,12 @@ def main():
         help="comma list of config.model.scan_layers values to measure (0, 1)",
     )
     parser.add_argument(
+        "--attention",
+        default="xla",
+        help="comma list of KERNEL[:DROPOUT] (config.model.attention and "
+        "attention_dropout), e.g. xla,xla:0,cudnn:0",
+    )
+    parser.add_argument(
         "--trace", default="", help="folder for a jax.profiler trace of each step"
     )
     parser.add_argument("--out", default="benchmarks/results_gpu.jsonl")
@@ -191,20 +208,21 @@ def main():
         emit(row)
     steps, ceiling = [], None
     variants = [
-        (dtype, bool(int(scan)))
+        (dtype, bool(int(scan)), *parse_attention(att))
         for dtype in args.dtypes.split(",")
         for scan in args.scan_layers.split(",")
+        for att in args.attention.split(",")
     ]
-    for dtype, scan in variants:
+    for dtype, scan, attention, dropout in variants:
         by_method = {}
+        tag = f"{'_scan' if scan else ''}_{attention}" + (
+            f"{dropout:g}" if dropout >= 0 else ""
+        )
         for method in args.methods.split(","):
-            label = f"{method} {dtype}{' scan' if scan else ''}"
+            label = f"{method} {dtype}{tag}"
             print(f"{time.strftime('%H:%M:%S')} {label}: building", flush=True)
             trace_dir = (
-                os.path.join(
-                    args.trace,
-                    f"{method}_{dtype}_{args.batch}{'_scan' if scan else ''}",
-                )
+                os.path.join(args.trace, f"{method}_{dtype}_{args.batch}{tag}")
                 if args.trace
                 else None
             )
@@ -219,6 +237,8 @@ def main():
                     trace_dir,
                     args.step_jit,
                     scan,
+                    attention,
+                    dropout,
                 )
             except Exception as e:  # report and go on to the next configuration
                 print(f"{label} failed: {e!r}", flush=True)
@@ -248,7 +268,8 @@ def main():
     for row in steps:
         print(
             f"{row['method']} {row['dtype']} batch {row['batch']}"
-            f"{' scan' if row.get('scan_layers') else ''}: "
+            f"{' scan' if row.get('scan_layers') else ''} "
+            f"{row.get('attention', 'xla')}:{row.get('attention_dropout', -1)}: "
             f"{row['achieved_tflops'] / ceiling:.3f} of the measured ceiling",
             flush=True,
         )

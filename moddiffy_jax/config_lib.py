@@ -101,6 +101,15 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # Run the encoder's layers under jax.lax.scan: one compiled layer body
     # instead of one per layer (models/bert_model.BertStack; docs/speed.md).
     c.model.scan_layers = False
+    # The attention kernel (models/bert_model.ATTENTIONS): "xla" (scores,
+    # float32 softmax and dropout spelled out, as in Hugging Face), or
+    # "cudnn" (fused flash attention on an NVIDIA GPU, bf16; no dropout on
+    # the attention probabilities, so it needs attention_dropout=0) and
+    # "dot_product" (the same call through XLA). docs/speed.md.
+    c.model.attention = "xla"
+    # Attention-probability dropout; negative: the checkpoint's config.json
+    # (0.1 for BERT and MiniLM).
+    c.model.attention_dropout = -1.0
     c.model.task_hidden = 0
     c.model.task_dropout = 0.3
     c.model.adapter_reduction_factor = 2

@@ -328,6 +328,44 @@ def test_scanned_layers_match_unrolled(tiny):
         run(short, True)
 
 
+def test_dot_product_attention_kernel_matches_the_spelled_out_one(tiny):
+    """``attention="dot_product"`` (jax.nn.dot_product_attention, the call
+    that ``"cudnn"`` makes on a GPU) gives the default kernel's values and
+    gradients with padding masked; with dropout it needs attention dropout 0,
+    and then draws the same hidden-dropout masks."""
+    config, params = tiny
+    b = tiny_batch(config)
+    ids, mask = jnp.asarray(b["input_ids"]), jnp.asarray(b["attention_mask"])
+    assert not mask.all()  # some keys are padding
+
+    def run(p, attention, cfg=config, **kw):
+        module = bert.BertEncoder(cfg, attention=attention)
+        return module.apply({"params": p}, ids, mask, **kw).last_hidden_state
+
+    np.testing.assert_allclose(
+        run(params, "dot_product"), run(params, "xla"), atol=2e-6
+    )
+    grads = {
+        kernel: jax.grad(lambda p, k=kernel: jnp.sum(run(p, k)[:, 0] ** 2))(params)
+        for kernel in ("xla", "dot_product")
+    }
+    for u, f in zip(*map(jax.tree.leaves, grads.values()), strict=True):
+        np.testing.assert_allclose(f, u, atol=1e-5)
+    with pytest.raises(ValueError, match="attention_dropout=0"):
+        run(params, "dot_product", deterministic=False, rngs={"dropout": key(1)})
+    no_attn_drop = dataclasses.replace(config, attention_probs_dropout_prob=0.0)
+    drop = {
+        kernel: run(
+            params, kernel, no_attn_drop, deterministic=False, rngs={"dropout": key(1)}
+        )
+        for kernel in ("xla", "dot_product")
+    }
+    np.testing.assert_allclose(drop["dot_product"], drop["xla"], atol=2e-6)
+    assert not np.allclose(drop["xla"], run(params, "xla"))
+    with pytest.raises(ValueError, match="not a kernel"):
+        run(params, "flash")
+
+
 def test_bfloat16_compute_close_to_float32(tiny):
     config, params = tiny
     b = tiny_batch(config)

@@ -116,6 +116,21 @@ def test_scan_layers_reaches_the_encoder():
         assert model.encoder.scan_layers is scan
 
 
+def test_the_attention_kernel_and_its_dropout_reach_the_encoder():
+    model, _ = _text_model(
+        tiny(
+            "moddiffy_par",
+            **{"model.attention": "dot_product", "model.attention_dropout": 0.0},
+        )
+    )
+    assert model.encoder.attention == "dot_product"
+    assert model.bert_config.attention_probs_dropout_prob == 0.0
+    # A fused kernel with the checkpoint's attention dropout is refused at
+    # build time, naming the fix.
+    with pytest.raises(ValueError, match="config.model.attention_dropout=0"):
+        _text_model(tiny("moddiffy_par", **{"model.attention": "cudnn"}))
+
+
 def test_the_tiny_model_has_the_configs_layers_and_refuses_none():
     from moddiffy_jax.models import text
 

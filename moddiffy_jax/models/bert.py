@@ -23,6 +23,7 @@ from moddiffy_jax.models.bert_files import (
     resolve_model_dir,
 )
 from moddiffy_jax.models.bert_model import (
+    ATTENTIONS,
     GATHERED_ROWS,
     BertAttention,
     BertConfig,
@@ -34,6 +35,7 @@ from moddiffy_jax.models.bert_model import (
     BottleneckAdapter,
     Dtype,
     EncoderOutput,
+    check_attention,
     encode,
     init_adapter_params,
     init_params,
@@ -41,6 +43,7 @@ from moddiffy_jax.models.bert_model import (
 )
 
 __all__ = [
+    "ATTENTIONS",
     "GATHERED_ROWS",
     "BertAttention",
     "BertConfig",
@@ -58,6 +61,7 @@ __all__ = [
     "SAFETENSORS_FILE",
     "_flatten",
     "_unflatten",
+    "check_attention",
     "convert_hf_state_dict",
     "encode",
     "init_adapter_params",

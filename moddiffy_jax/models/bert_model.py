@@ -69,6 +69,25 @@ _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 # Encoders with this architecture (BERT, and RoBERTa's position rule).
 MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
 
+# Attention kernels (BertSelfAttention): the spelled-out default, and
+# jax.nn.dot_product_attention through XLA or cuDNN's fused flash attention.
+ATTENTIONS = ("xla", "dot_product", "cudnn")
+
+
+def check_attention(attention: str, config: BertConfig, deterministic: bool) -> None:
+    """Refuses an unknown kernel, or a fused one asked for attention dropout."""
+    if attention not in ATTENTIONS:
+        raise ValueError(
+            f"attention={attention!r} is not a kernel; use one of {list(ATTENTIONS)}."
+        )
+    if attention != "xla" and not deterministic and config.attention_probs_dropout_prob:
+        raise ValueError(
+            f"attention={attention!r} has no attention-probability dropout, and "
+            f"this model's attention_probs_dropout_prob is "
+            f"{config.attention_probs_dropout_prob}: set it to 0 "
+            "(config.model.attention_dropout=0) or use attention='xla'."
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class BertConfig:
@@ -346,11 +365,35 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
-    """Multi-head scaled dot-product attention (query/key/value projections)."""
+    """Multi-head scaled dot-product attention (query/key/value projections).
+
+    ``attention`` picks the kernel (see :data:`ATTENTIONS`): ``"xla"`` spells
+    out scores, a float32 softmax and attention-probability dropout, as
+    Hugging Face does; ``"dot_product"`` and ``"cudnn"`` call
+    ``jax.nn.dot_product_attention`` (``"cudnn"``: fused flash attention on an
+    NVIDIA GPU, bf16 or fp16), which never materialises the ``[B, heads, L,
+    L]`` scores and has no attention-probability dropout, so with dropout on
+    they need ``attention_probs_dropout_prob == 0``.
+    """
 
     config: BertConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    attention: str = "xla"
+
+    def _fused(self, q, k, v, mask_bias, deterministic):
+        check_attention(self.attention, self.config, deterministic)
+        length = q.shape[1]
+        # The key mask as booleans [B, 1, L, L]: cuDNN wants full query and
+        # key axes, and turns it into its own safe large negative bias.
+        keep = jnp.broadcast_to(mask_bias == 0, (q.shape[0], 1, length, length))
+        return jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            mask=keep,
+            implementation="cudnn" if self.attention == "cudnn" else None,
+        )
 
     @nn.compact
     def __call__(self, x, mask_bias, *, deterministic: bool):
@@ -364,6 +407,10 @@ class BertSelfAttention(nn.Module):
             return y.reshape(batch, length, heads, head_dim)
 
         q, k, v = project("query"), project("key"), project("value")
+        if self.attention != "xla":
+            return self._fused(q, k, v, mask_bias, deterministic).reshape(
+                batch, length, cfg.hidden_size
+            )
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(
             q.dtype
         )
@@ -417,11 +464,12 @@ class BertAttention(nn.Module):
     config: BertConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    attention: str = "xla"
 
     @nn.compact
     def __call__(self, x, mask_bias, *, deterministic: bool):
         kw = dict(config=self.config, dtype=self.dtype, param_dtype=self.param_dtype)
-        context = BertSelfAttention(**kw, name="self")(
+        context = BertSelfAttention(**kw, attention=self.attention, name="self")(
             x, mask_bias, deterministic=deterministic
         )
         return _DenseDropoutLayerNorm(**kw, name="output")(
@@ -473,12 +521,13 @@ class BertLayer(nn.Module):
     config: BertConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    attention: str = "xla"
 
     @nn.compact
     def __call__(self, x, mask_bias, *, deterministic: bool):
         cfg = self.config
         kw = dict(config=cfg, dtype=self.dtype, param_dtype=self.param_dtype)
-        x = BertAttention(**kw, name="attention")(
+        x = BertAttention(**kw, attention=self.attention, name="attention")(
             x, mask_bias, deterministic=deterministic
         )
         h = _DenseActivation(
@@ -519,11 +568,17 @@ class BertStack(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     scan: bool = False
+    attention: str = "xla"
 
     @nn.compact
     def __call__(self, x, mask_bias, *, deterministic: bool):
         n = self.config.num_hidden_layers
-        kw = dict(config=self.config, dtype=self.dtype, param_dtype=self.param_dtype)
+        kw = dict(
+            config=self.config,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            attention=self.attention,
+        )
         if not self.scan or n < 2 or self.is_initializing():
             for i in range(n):
                 x = BertLayer(**kw, name=f"layer_{i}")(
@@ -565,12 +620,15 @@ class BertEncoder(nn.Module):
       param_dtype: Parameter dtype.
       scan_layers: Run the layers under ``jax.lax.scan`` (:class:`BertStack`):
         one compiled layer body instead of ``num_hidden_layers``.
+      attention: The attention kernel, one of :data:`ATTENTIONS` (see
+        :class:`BertSelfAttention`); the values agree to rounding.
     """
 
     config: BertConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     scan_layers: bool = False
+    attention: str = "xla"
 
     @nn.compact
     def __call__(
@@ -617,9 +675,9 @@ class BertEncoder(nn.Module):
         # Additive key mask [B, 1, 1, L], float32 (added to float32 scores).
         keep = attention_mask.astype(jnp.bool_)[:, None, None, :]
         mask_bias = jnp.where(keep, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
-        x = BertStack(**kw, scan=self.scan_layers, name="encoder")(
-            x, mask_bias, deterministic=deterministic
-        )
+        x = BertStack(
+            **kw, scan=self.scan_layers, attention=self.attention, name="encoder"
+        )(x, mask_bias, deterministic=deterministic)
         pooled = _DenseActivation(
             **kw, features=cfg.hidden_size, activation=jnp.tanh, name="pooler"
         )(x[:, 0])

@@ -132,7 +132,8 @@ def build_model(
       model_cfg: ``config.model``: ``init`` ("pretrained" loads ``dir``, or
         the bundled MiniLM when empty; "random" builds ``BertConfig.tiny`` or
         the architecture of ``dir``'s config.json with random weights),
-        ``dtype``, ``scan_layers``, ``task_hidden``, ``task_dropout``,
+        ``dtype``, ``scan_layers``, ``attention``, ``attention_dropout``,
+        ``task_hidden``, ``task_dropout``,
         ``adapter_reduction_factor``.
       num_task_classes: task classes C.
       attr_classes: classes per protected attribute.
@@ -167,10 +168,20 @@ def build_model(
             f"config.model.init={model_cfg.init!r}; use 'pretrained' or 'random'."
         )
     dtype = _DTYPES[model_cfg.dtype]
+    attention = model_cfg.get("attention", "xla")
+    attention_dropout = model_cfg.get("attention_dropout", -1.0)
+    if attention_dropout >= 0:
+        bert_config = dataclasses.replace(
+            bert_config, attention_probs_dropout_prob=float(attention_dropout)
+        )
+    bert_lib.check_attention(attention, bert_config, deterministic=False)
     model = TextModel(
         bert_config=bert_config,
         encoder=bert_lib.BertEncoder(
-            bert_config, dtype=dtype, scan_layers=bool(model_cfg.get("scan_layers"))
+            bert_config,
+            dtype=dtype,
+            scan_layers=bool(model_cfg.get("scan_layers")),
+            attention=attention,
         ),
         task_head=ClassifierHead(
             num_outputs=num_task_classes,
