@@ -9,7 +9,9 @@ Measures, on whatever device JAX sees first (meant for one GPU):
   fine-tuning step on BERT-base shapes (random weights, synthetic batches of
   ``--batch`` x ``--length`` tokens): compile time, median step time,
   examples/s, the model FLOPs of the step and MFU against the datasheet peak
-  and against the measured ceiling; the step's ratio to three fine-tuning
+  and against the measured ceiling, each step timed alone (blocking) and the
+  same steps dispatched back to back (``*_pipelined``: the training loop's
+  rate, host work overlapped); the step's ratio to three fine-tuning
   steps (its floor: three forward-backward passes); with ``--trace DIR``, a
   profile of three more steps and where their device time goes
   (``trace_summary.py``);
@@ -112,6 +114,12 @@ def step_row(
         "model_tflop_per_step": round(flops / 1e12, 3),
         "achieved_tflops": round(achieved, 1),
         "mfu_datasheet": round(achieved / peak, 3) if peak else None,
+    }
+    # Back-to-back steps (the training loop's rate; bench_steps.run_one).
+    pipelined = flops / row["step_s_pipelined"] / 1e12
+    row |= {
+        "achieved_tflops_pipelined": round(pipelined, 1),
+        "mfu_datasheet_pipelined": round(pipelined / peak, 3) if peak else None,
     }
     if trace_dir:
         import trace_summary
