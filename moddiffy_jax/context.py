@@ -43,6 +43,9 @@ class Context:
     # counterfactual.py) and the groups it swaps; None: no swaps.
     swap_tables: dict[str, np.ndarray] | None = None
     swap_groups: dict[str, list[np.ndarray]] | None = None
+    # config.method.swap_target > 0: per attribute, the bag-of-tokens reads
+    # that chose its groups (methods/swap_budget.GroupChoice.to_json()).
+    swap_reads: dict[str, dict] | None = None
 
 
 def is_vision(config: ml_collections.ConfigDict) -> bool:
@@ -139,7 +142,9 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
                 "the task: set it to False."
             )
     word_tokens = _word_tokens(config, method, dataset, attributes, pretrained)
-    swap_groups, swap_tables = _swaps(method, debias, dataset, attributes, pretrained)
+    swap_groups, swap_tables, swap_reads = _swaps(
+        method, debias, dataset, attributes, pretrained, attr_classes
+    )
     if config.method.task_loss == "conf_reg":
         dataset = _with_teacher_probs(config, dataset, model)
     mesh = parallel.make_mesh(config.num_devices or None)
@@ -157,21 +162,28 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
         word_tokens=word_tokens,
         swap_tables=swap_tables,
         swap_groups=swap_groups,
+        swap_reads=swap_reads,
     )
 
 
-def _swaps(method, debias, dataset, attributes, pretrained):
+def _swaps(method, debias, dataset, attributes, pretrained, attr_classes):
     """``config.method.swap_weight > 0``: per attribute, its counterpart
     groups among the tokens that tell it beyond the task label on the
     training split (methods/token_merge.py), paired by the pretrained word
-    rows, and the swap table they make (objectives/counterfactual.py);
-    ``(None, None)`` when the swaps are off. A ValueError names what is
-    missing."""
-    from moddiffy_jax.methods import attribute_weights, token_merge, word_rows
+    rows, and the swap table they make (objectives/counterfactual.py); with
+    ``swap_target > 0``, the prefix of the groups methods/swap_budget.py
+    chooses and its reads. ``(None, None, None)`` when the swaps are off. A
+    ValueError names what is missing."""
+    from moddiffy_jax.methods import (
+        attribute_weights,
+        swap_budget,
+        token_merge,
+        word_rows,
+    )
     from moddiffy_jax.subnets import selection
 
     if debias is None or not attribute_weights.uses_weight(debias, "swap_weight"):
-        return None, None
+        return None, None, None
     table = selection.flatten(pretrained).get(word_rows.WORD_TABLE)
     if method.debias != "modular" or table is None:
         raise ValueError(
@@ -182,7 +194,7 @@ def _swaps(method, debias, dataset, attributes, pretrained):
         )
     table = np.asarray(table)
     train = dataset.splits["train"]
-    groups_of, tables = {}, {}
+    groups_of, tables, reads = {}, {}, {}
     for attr in attributes:
         if attribute_weights.for_attribute(debias, attr).swap_weight <= 0.0:
             continue
@@ -197,10 +209,37 @@ def _swaps(method, debias, dataset, attributes, pretrained):
                 "with a telling token of another): its swap would change nothing. "
                 "Set swap_weight=0 or raise swap_candidates."
             )
+        if debias.swap_target > 0.0:
+            if "dev" not in dataset.splits:
+                raise ValueError(
+                    "config.method.swap_target > 0 reads each prefix of the swap "
+                    "groups on the dev split; this dataset has none: set "
+                    "swap_target=0 (every group) or give the data a dev split."
+                )
+            choice = swap_budget.choose_groups(
+                train,
+                dataset.splits["dev"],
+                attr,
+                groups,
+                num_task_classes=len(dataset.task_classes),
+                num_attr_classes=int(attr_classes[attr]),
+                target=debias.swap_target,
+                max_drop=debias.swap_max_drop,
+            )
+            logging.info(
+                "swap_target %.2f for %s: %d of %d groups (%s)",
+                debias.swap_target,
+                attr,
+                choice.chosen,
+                len(groups),
+                choice.reason,
+            )
+            reads[attr] = choice.to_json()
+            groups = groups[: choice.chosen]
         logging.info("swap groups for %s: %s", attr, [g.tolist() for g in groups])
         groups_of[attr] = [np.asarray(g, np.int64) for g in groups]
         tables[attr] = objectives.swap_table(groups_of[attr], table.shape[0])
-    return groups_of, tables
+    return groups_of, tables, reads or None
 
 
 def _word_tokens(config, method, dataset, attributes, pretrained):

@@ -381,6 +381,8 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
         results["word_rows"] = _word_row_tokens(config, ctx.word_tokens)
     if getattr(ctx, "swap_groups", None):  # config.method.swap_weight
         results["swap_groups"] = swap_group_text(config, ctx.swap_groups)
+    if getattr(ctx, "swap_reads", None):  # config.method.swap_target
+        results["swap_reads"] = ctx.swap_reads
     results["train_wall_time_s"] = time.time() - wall_start
     if config.eval.leakage and jax.process_index() == 0:
         results.update(_leakage(config, workdir, results, ctx.attributes, reps))

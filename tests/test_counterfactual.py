@@ -126,6 +126,8 @@ def test_the_debias_step_reads_the_swapped_twin():
         ("moddiffy_par", {"method.swap_weight": -1.0}, "swap_weight must be >= 0"),
         ("moddiffy_par", {"method.swap_candidates": True}, "whole number >= 1"),
         ("moddiffy_par", {"method.swap_share": 2.0}, "swap_share must be in"),
+        ("moddiffy_par", {"method.swap_target": 1.5}, "swap_target must be a share"),
+        ("moddiffy_par", {"method.swap_max_drop": -1.0}, "swap_max_drop must be"),
         ("diffprun_debias", {"method.swap_weight": 1.0}, "modular debiasing"),
     ],
 )

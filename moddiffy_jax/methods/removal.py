@@ -142,6 +142,11 @@ class DebiasSettings:
     # the swap costs one forward pass per debias step instead of a forward
     # and a backward).
     swap_twin_gradient: bool = True
+    # > 0: swap only the fewest counterpart groups whose bag-of-tokens read
+    # closes this share of the gap to the floor within swap_max_drop task
+    # points (methods/swap_budget.py); 0: every group.
+    swap_target: float = 0.0
+    swap_max_drop: float = 2.5
 
 
 def debias_term(
@@ -585,6 +590,8 @@ _LATER_FIELDS = (
     ("swap_candidates", 64),
     ("swap_share", 0.1),
     ("swap_twin_gradient", True),
+    ("swap_target", 0.0),
+    ("swap_max_drop", 2.5),
 )
 
 
@@ -717,6 +724,16 @@ def settings_from_config(
         raise ValueError(
             "config.method.swap_share must be in [0, 1] (a share of the best "
             f"token's score), got {fields['swap_share']}."
+        )
+    if not 0.0 <= fields["swap_target"] <= 1.0:
+        raise ValueError(
+            "config.method.swap_target must be a share of the gap in [0, 1] (0 "
+            f"swaps every counterpart group), got {fields['swap_target']}."
+        )
+    if not fields["swap_max_drop"] >= 0.0:
+        raise ValueError(
+            "config.method.swap_max_drop must be >= 0 task points, got "
+            f"{fields['swap_max_drop']}."
         )
     if method.objective == "swap" and not any(
         w.get("swap_weight", fields["swap_weight"]) > 0.0

@@ -122,5 +122,13 @@ def config_fields() -> ml_collections.ConfigDict:
     # False: no gradient through the twin's pass (a forward pass per debias
     # step instead of a forward and a backward); the pull is one-sided.
     f.swap_twin_gradient = True
+    # > 0: swap only some groups, chosen by a bag-of-tokens logistic read of
+    # each prefix of groups on the dev split (methods/swap_budget.py): the
+    # fewest that close swap_target of the gap between the all-words read's
+    # leakage and the floor, within swap_max_drop points of the read's task
+    # accuracy (else the most within it). 0: every group (which costs the
+    # task all the words are worth; docs/efficacy.md, "Stop 39").
+    f.swap_target = 0.0
+    f.swap_max_drop = 2.5
     f.adversary = ml_collections.ConfigDict({"members": 5, "hidden": 1, "dropout": 0.3})
     return f

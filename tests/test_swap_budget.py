@@ -1,0 +1,130 @@
+"""methods/swap_budget.py: the bag-of-tokens reads that choose which
+counterpart groups a swap diff is made invariant to."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from moddiffy_jax import train
+from moddiffy_jax.eval import metrics
+from moddiffy_jax.methods import swap_budget
+from tests.helpers import tiny
+
+
+def _split(ids, task, attr, pad=0):
+    ids = np.asarray(ids, np.int64)
+    return types.SimpleNamespace(
+        input_ids=ids,
+        attention_mask=(ids != pad).astype(np.int32),
+        task=np.asarray(task),
+        attrs={"a": np.asarray(attr)},
+    )
+
+
+def test_bag_of_tokens_counts_presence_merges_groups_and_drops_the_rest():
+    split = _split([[5, 7, 7, 0], [6, 9, 0, 0], [8, 0, 0, 0]], [0, 1, 0], [0, 1, 0])
+    columns = np.array([5, 6, 7, 9])  # 8 is not a column; 0 is padding
+    x = swap_budget.bag_of_tokens(split, [], columns).toarray()
+    np.testing.assert_array_equal(x, [[1, 0, 1, 0], [0, 1, 0, 1], [0, 0, 0, 0]])
+    merged = swap_budget.bag_of_tokens(split, [[5, 6]], columns).toarray()
+    np.testing.assert_array_equal(merged[:, :2], [[1, 0], [1, 0], [0, 0]])
+
+
+def test_the_logistic_read_learns_a_telling_token_and_balances_classes():
+    rng = np.random.default_rng(0)
+    n = 600
+    y = (rng.random(n) < 0.15).astype(int)  # a rare class
+    # Token 3 marks class 1 in 70% of its examples; tokens 10..19 are noise.
+    marker = np.where((y == 1) & (rng.random(n) < 0.7), 3, 0)
+    noise = rng.integers(10, 20, size=(n, 3))
+    split = _split(np.column_stack([marker, noise]), y, y)
+    columns = np.arange(1, 20)
+    x = swap_budget.bag_of_tokens(split, [], columns)
+    plain = swap_budget._predict(swap_budget.fit_logistic(x, y, 2), x)
+    balanced = swap_budget._predict(swap_budget.fit_logistic(x, y, 2, balanced=True), x)
+    assert metrics.balanced_accuracy(y, balanced, 2) > 0.8
+    # Unweighted, the rare class's unmarked examples go to the majority; the
+    # balanced fit recalls at least as many of the rare class.
+    assert balanced[y == 1].mean() >= plain[y == 1].mean()
+    # The fit is the minimum: its gradient vanishes.
+    w = swap_budget.fit_logistic(x, y, 2, max_iter=2000)
+    assert np.abs(_grad(x, y, w)).max() < 1e-3
+
+
+def _grad(x, y, w):
+    xb = np.column_stack([x.toarray(), np.ones(x.shape[0])])
+    logits = xb @ w
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    g = xb.T @ (p - np.eye(w.shape[1])[y])
+    g[:-1] += w[:-1]
+    return g
+
+
+def _planted(n, seed):
+    """Task words 1/2 (75% reliable), attribute counterparts 3/4 and 5/6
+    (each in half the examples, always of the example's attribute), and the
+    attribute equal to the task label 85% of the time (so where the words
+    disagree, the attribute's word tells the label better)."""
+    rng = np.random.default_rng(seed)
+    task = rng.integers(0, 2, n)
+    attr = np.where(rng.random(n) < 0.85, task, 1 - task)
+    word = np.where(rng.random(n) < 0.75, task, 1 - task) + 1
+    first = np.where(rng.random(n) < 0.5, 3 + attr, 0)
+    second = np.where(rng.random(n) < 0.5, 5 + attr, 0)
+    return _split(np.column_stack([word, first, second]), task, attr)
+
+
+def test_each_prefix_is_read_and_merging_every_group_reaches_the_floor():
+    train_split, dev = _planted(3000, 0), _planted(3000, 1)
+    reads, floor = swap_budget.read_prefixes(
+        train_split, dev, "a", [[3, 4], [5, 6]], num_task_classes=2, num_attr_classes=2
+    )
+    assert [r.groups for r in reads] == [0, 1, 2]
+    assert reads[0].leakage > 0.9 and reads[0].closed == 0.0
+    assert 0.3 < reads[1].closed < reads[2].closed  # one of two markers gone
+    # All that is left is the task word, a noisier read of the label than
+    # the floor's gold label: at the floor or below it.
+    assert reads[2].closed > 0.9 and reads[2].leakage < floor + 0.02
+    # The attribute words told the task through the correlation: merging
+    # them costs task accuracy, more for more groups.
+    assert 0.0 < reads[1].cost < reads[2].cost
+
+
+@pytest.mark.parametrize(
+    ("target", "max_drop", "chosen", "reason"),
+    [
+        (0.5, 3.0, 2, "target"),  # the fewest groups reaching the target
+        (0.9, 3.0, 3, "target"),
+        (0.95, 3.0, 3, "budget"),  # never reached: the most within budget
+        (0.5, 1.0, 1, "budget"),
+        (0.5, 0.1, 1, "over budget"),  # even one group costs more
+    ],
+)
+def test_the_choice_takes_the_fewest_groups_that_reach_the_target(
+    target, max_drop, chosen, reason
+):
+    reads = [
+        swap_budget.PrefixRead(k, 0.9, 0.9, cost, closed)
+        for k, cost, closed in [(0, 0, 0), (1, 0.5, 0.3), (2, 1.5, 0.6), (3, 2.5, 0.9)]
+    ]
+    assert swap_budget.choose_count(reads, target, max_drop) == (chosen, reason)
+
+
+def test_a_swap_target_swaps_a_prefix_of_the_groups_and_records_its_reads():
+    overrides = {"method.swap_weight": 1.0, "data.synthetic.num_train": 2000}
+    every = train.build_context(tiny("moddiffy_par", **overrides))
+    some = train.build_context(
+        tiny("moddiffy_par", **overrides, **{"method.swap_target": 0.5})
+    )
+    assert every.swap_reads is None
+    for attr, groups in some.swap_groups.items():
+        choice = some.swap_reads[attr]
+        assert len(groups) == choice["chosen"] < len(every.swap_groups[attr])
+        for kept, full in zip(groups, every.swap_groups[attr], strict=False):
+            np.testing.assert_array_equal(kept, full)
+        assert len(choice["reads"]) == len(every.swap_groups[attr]) + 1
+        assert choice["reads"][choice["chosen"]]["closed"] >= 0.5
