@@ -1,5 +1,7 @@
 """Counterfactual token swaps (config.method.swap_weight)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,6 +55,74 @@ def test_the_invariance_term_reads_only_the_changed_rows_in_units_of_spread():
     assert float(jnp.abs(grad[10:]).max()) == 0.0 and float(jnp.abs(grad[:10]).max())
     none = jnp.zeros(4000, bool)
     assert float(objectives.swap_invariance_loss(h, twin, none)) == 0.0
+
+
+def test_keeping_the_decision_directions_leaves_them_out_of_the_distance():
+    rng = np.random.default_rng(1)
+    h = jnp.asarray(rng.normal(size=(64, 8)), jnp.float32)
+    every = jnp.ones(64, bool)
+    keep = jnp.asarray(rng.normal(size=(64, 2, 8)), jnp.float32)
+    along = h + jnp.einsum("bk,bkh->bh", jnp.asarray(rng.normal(size=(64, 2))), keep)
+    plain = objectives.swap_invariance_loss(h, along, every)
+    assert float(plain) > 0.1
+    assert float(objectives.swap_invariance_loss(h, along, every, keep)) < 1e-6
+    # A difference with no part along them counts in full.
+    other = jnp.asarray(rng.normal(size=(64, 8)), jnp.float32)
+    across = h + objectives.outside(other, keep)
+    np.testing.assert_allclose(
+        objectives.swap_invariance_loss(h, across, every, keep),
+        objectives.swap_invariance_loss(h, across, every),
+        rtol=1e-4,
+    )
+
+
+def test_the_debias_step_keeps_the_task_heads_decision_when_asked():
+    """``swap_keep_task``: the decision directions are the head's logit
+    differences' gradients, and the swap term measured outside them is
+    smaller than in full (still positive)."""
+    ctx, _, state, frozen, batch = _first_step(
+        "moddiffy_par", **{"method.swap_weight": 1.0}
+    )
+    table = ctx.swap_tables["gender"]
+    values = {}
+    for keep in (False, True):
+        ctx_keep = dataclasses.replace(
+            ctx, debias=dataclasses.replace(ctx.debias, swap_keep_task=keep)
+        )
+        loss = _gender_loss(ctx_keep, table)
+        _, terms = loss(state.trainable, frozen, batch, jax.random.PRNGKey(1))
+        values[keep] = float(terms["swap/gender"])
+    assert 0.0 < values[True] < values[False]
+    # A linear head's decision direction is its kernel's column difference.
+    _, _, _, _, _, _, decision = common._task_forward(
+        ctx.model,
+        ctx.method,
+        state.trainable,
+        frozen,
+        batch,
+        jax.random.PRNGKey(1),
+        phase="l0",
+        settings=ctx.diff_settings,
+        attribute="gender",
+    )
+    h = jnp.zeros((3, ctx.model.bert_config.hidden_size))
+    directions = np.asarray(decision(h))
+    assert directions.shape == (3, 1, h.shape[1])
+    kernel = _head_kernel(state.trainable, frozen)
+    np.testing.assert_allclose(directions[0, 0], kernel[:, 1] - kernel[:, 0], atol=1e-6)
+
+
+def _head_kernel(trainable, frozen):
+    for tree in (trainable, frozen):
+        head = tree.get("task_head") if isinstance(tree, dict) else None
+        if head is not None:
+            leaves = {
+                "/".join(str(getattr(k, "key", k)) for k in path): v
+                for path, v in jax.tree_util.tree_flatten_with_path(head)[0]
+            }
+            (kernel,) = [v for k, v in leaves.items() if k.endswith("kernel")]
+            return np.asarray(kernel)
+    raise AssertionError("no task head")
 
 
 def _marker_class(tokenizer, attribute):

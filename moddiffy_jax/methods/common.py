@@ -463,11 +463,14 @@ def _task_forward(
 ):
     """Encoder forward (with ``attribute``'s diff, if any) and the task term.
 
-    Returns ``(h, logits, terms, rng_for_removal, task_of, represent)`` with
-    ``terms = {"task": loss}``, ``task_of(h)`` the task term as a function
-    of the representations (the same head, dropout and labels) and
-    ``represent(other_batch)`` the representations of another batch of the
-    same shapes under the same encoder params and dropout masks.
+    Returns ``(h, logits, terms, rng_for_removal, task_of, represent,
+    decision)`` with ``terms = {"task": loss}``, ``task_of(h)`` the task term
+    as a function of the representations (the same head, dropout and
+    labels), ``represent(other_batch)`` the representations of another batch
+    of the same shapes under the same encoder params and dropout masks, and
+    ``decision(h)`` each row's directions that move the head's decision
+    ([B, C - 1, H]: the logit differences' gradients, head in eval mode, no
+    gradient).
     """
     r_diff, r_enc, r_head, r_adv = jax.random.split(rng, 4)
     params, head = _encoder_and_head(
@@ -492,7 +495,15 @@ def _task_forward(
     def represent(other):
         return model.represent(params, other, r_enc, True)
 
-    return h, logits, terms, r_adv, task_of, represent
+    def decision(reps):
+        def margins(row):  # logit differences against the first class
+            out = model.task_logits(head, row[None], None, False)[0]
+            return (out[1:] - out[0]).astype(jnp.float32)
+
+        reps = jax.lax.stop_gradient(reps)
+        return jax.lax.stop_gradient(jax.vmap(jax.jacrev(margins))(reps))
+
+    return h, logits, terms, r_adv, task_of, represent, decision
 
 
 def _undebiased_representation(
@@ -532,7 +543,7 @@ def make_task_loss(
     """Loss of the task step (plus joint debias terms and the task-diff L0)."""
 
     def loss(trainable, frozen, batch, rng):
-        h, logits, terms, r_adv, task_of, _ = _task_forward(
+        h, logits, terms, r_adv, task_of, _, _ = _task_forward(
             model,
             method,
             trainable,
@@ -671,7 +682,7 @@ def make_debias_loss(
                 phase=phase,
                 settings=diff_settings,
             )
-        h, logits, terms, r_adv, task_of, represent = _task_forward(
+        h, logits, terms, r_adv, task_of, represent, decision = _task_forward(
             model,
             method,
             seen,
@@ -738,7 +749,8 @@ def make_debias_loss(
             if not debias.swap_twin_gradient:
                 h_swapped = jax.lax.stop_gradient(h_swapped)
             changed = jnp.any(swapped != ids, axis=-1)
-            value = objectives.swap_invariance_loss(h, h_swapped, changed)
+            keep = decision(h) if debias.swap_keep_task else None
+            value = objectives.swap_invariance_loss(h, h_swapped, changed, keep)
             removed[f"swap/{attribute}"] = swap_weight * value
         removed = removal.warmed_up(removed, batch.get(STEP_KEY), debias)
         if debias.task_guard:

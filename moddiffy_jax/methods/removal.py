@@ -147,6 +147,9 @@ class DebiasSettings:
     # points (methods/swap_budget.py); 0: every group.
     swap_target: float = 0.0
     swap_max_drop: float = 2.5
+    # True: the swap distance leaves out the directions that move the task
+    # head's decision (objectives/counterfactual.swap_invariance_loss).
+    swap_keep_task: bool = False
 
 
 def debias_term(
@@ -592,6 +595,7 @@ _LATER_FIELDS = (
     ("swap_twin_gradient", True),
     ("swap_target", 0.0),
     ("swap_max_drop", 2.5),
+    ("swap_keep_task", False),
 )
 
 
@@ -725,6 +729,11 @@ def settings_from_config(
             "config.method.swap_share must be in [0, 1] (a share of the best "
             f"token's score), got {fields['swap_share']}."
         )
+    for name in ("swap_twin_gradient", "swap_keep_task"):
+        if not isinstance(fields[name], bool):
+            raise ValueError(
+                f"config.method.{name} must be True or False, got {fields[name]!r}."
+            )
     if not 0.0 <= fields["swap_target"] <= 1.0:
         raise ValueError(
             "config.method.swap_target must be a share of the gap in [0, 1] (0 "

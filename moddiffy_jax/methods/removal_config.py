@@ -130,5 +130,10 @@ def config_fields() -> ml_collections.ConfigDict:
     # task all the words are worth; docs/efficacy.md, "Stop 39").
     f.swap_target = 0.0
     f.swap_max_drop = 2.5
+    # True: the twins may differ along the directions that move the task
+    # head's decision and nowhere else, so the attribute words keep what
+    # they tell the task (a probe reads the attribute only as far as the
+    # decision does) instead of costing it.
+    f.swap_keep_task = False
     f.adversary = ml_collections.ConfigDict({"members": 5, "hidden": 1, "dropout": 0.3})
     return f

@@ -10,7 +10,11 @@ from moddiffy_jax.objectives.classification import (
     cross_entropy,
     majority_vote,
 )
-from moddiffy_jax.objectives.counterfactual import swap_invariance_loss, swap_table
+from moddiffy_jax.objectives.counterfactual import (
+    outside,
+    swap_invariance_loss,
+    swap_table,
+)
 from moddiffy_jax.objectives.erasure import (
     TARGET_MODES,
     cell_offsets,
@@ -57,6 +61,7 @@ __all__ = [
     "get_known_bias_loss",
     "gradient_reversal",
     "task_projected",
+    "outside",
     "swap_invariance_loss",
     "swap_table",
     "majority_vote",

@@ -65,17 +65,41 @@ def swap_table(groups: Sequence[Sequence[int]], vocab: int) -> np.ndarray:
     return table
 
 
+def outside(delta: jax.Array, keep: jax.Array) -> jax.Array:
+    """Each row of ``delta`` [B, H] without its component in the span of
+    that row's ``keep`` directions [B, K, H] (a least-squares projection, so
+    the directions need not be orthogonal; a zero direction is ignored)."""
+    gram = jnp.einsum("bkh,bjh->bkj", keep, keep)
+    coef = jnp.einsum(
+        "bkj,bj->bk", jnp.linalg.pinv(gram), jnp.einsum("bkh,bh->bk", keep, delta)
+    )
+    return delta - jnp.einsum("bk,bkh->bh", coef, keep)
+
+
 def swap_invariance_loss(
-    h: jax.Array, h_swapped: jax.Array, changed: jax.Array
+    h: jax.Array,
+    h_swapped: jax.Array,
+    changed: jax.Array,
+    keep: jax.Array | None = None,
 ) -> jax.Array:
     """Mean squared distance between ``h`` [B, H] and ``h_swapped`` [B, H]
     over the rows where ``changed`` [B] (bool) is set, divided by the
     batch's total variance of ``h`` (no gradient through the scale), so the
     term is 1 when a twin is as far as a random other example and 0 when
     the swap leaves the representation unchanged; 0 for a batch the swap
-    does not touch."""
+    does not touch.
+
+    With ``keep`` [B, K, H] (``swap_keep_task``: the directions that move
+    the task head's decision) the distance leaves those directions out: the
+    twins may differ in what the head reads, as long as they differ nowhere
+    else, so the words keep what they tell the task through the attribute
+    and a probe can read the attribute only as far as the decision tells
+    it."""
     h = h.astype(jnp.float32)
-    d = jnp.sum(jnp.square(h - h_swapped.astype(jnp.float32)), axis=-1)
+    delta = h - h_swapped.astype(jnp.float32)
+    if keep is not None:
+        delta = outside(delta, keep.astype(jnp.float32))
+    d = jnp.sum(jnp.square(delta), axis=-1)
     w = changed.astype(jnp.float32)
     spread = jnp.sum(jnp.var(h, axis=0))
     spread = jax.lax.stop_gradient(jnp.maximum(2.0 * spread, 1e-12))
