@@ -1,7 +1,5 @@
 """Counterfactual token swaps (config.method.swap_weight)."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,42 +74,6 @@ def test_keeping_the_decision_directions_leaves_them_out_of_the_distance():
     )
 
 
-def test_the_debias_step_keeps_the_task_heads_decision_when_asked():
-    """``swap_keep_task``: the decision directions are the head's logit
-    differences' gradients, and the swap term measured outside them is
-    smaller than in full (still positive)."""
-    ctx, _, state, frozen, batch = _first_step(
-        "moddiffy_par", **{"method.swap_weight": 1.0}
-    )
-    table = ctx.swap_tables["gender"]
-    values = {}
-    for keep in (False, True):
-        ctx_keep = dataclasses.replace(
-            ctx, debias=dataclasses.replace(ctx.debias, swap_keep_task=keep)
-        )
-        loss = _gender_loss(ctx_keep, table)
-        _, terms = loss(state.trainable, frozen, batch, jax.random.PRNGKey(1))
-        values[keep] = float(terms["swap/gender"])
-    assert 0.0 < values[True] < values[False]
-    # A linear head's decision direction is its kernel's column difference.
-    _, _, _, _, _, _, decision = common._task_forward(
-        ctx.model,
-        ctx.method,
-        state.trainable,
-        frozen,
-        batch,
-        jax.random.PRNGKey(1),
-        phase="l0",
-        settings=ctx.diff_settings,
-        attribute="gender",
-    )
-    h = jnp.zeros((3, ctx.model.bert_config.hidden_size))
-    directions = np.asarray(decision(h))
-    assert directions.shape == (3, 1, h.shape[1])
-    kernel = _head_kernel(state.trainable, frozen)
-    np.testing.assert_allclose(directions[0, 0], kernel[:, 1] - kernel[:, 0], atol=1e-6)
-
-
 def _head_kernel(trainable, frozen):
     for tree in (trainable, frozen):
         head = tree.get("task_head") if isinstance(tree, dict) else None
@@ -175,7 +137,8 @@ def _gender_loss(ctx, swaps):
 
 def test_the_debias_step_reads_the_swapped_twin():
     """With a swap table the debias loss has a ``swap/<attribute>`` term that
-    is 0 for the identity table and positive for the attribute's own."""
+    is 0 for the identity table and positive for the attribute's own; the
+    task forward gives the head's decision directions (swap_keep_task)."""
     ctx, _, state, frozen, batch = _first_step(
         "moddiffy_par", **{"method.swap_weight": 1.0}
     )
@@ -188,6 +151,25 @@ def test_the_debias_step_reads_the_swapped_twin():
         values[name] = float(terms["swap/gender"])
     assert values["identity"] == 0.0
     assert values["own"] > 0.0
+    # swap_keep_task leaves out of the distance each row's directions that
+    # move the head's decision: for a linear head, its kernel's column
+    # difference.
+    _, _, _, _, _, _, decision = common._task_forward(
+        ctx.model,
+        ctx.method,
+        state.trainable,
+        frozen,
+        batch,
+        jax.random.PRNGKey(1),
+        phase="l0",
+        settings=ctx.diff_settings,
+        attribute="gender",
+    )
+    h = jnp.zeros((3, ctx.model.bert_config.hidden_size))
+    directions = np.asarray(decision(h))
+    assert directions.shape == (3, 1, h.shape[1])
+    kernel = _head_kernel(state.trainable, frozen)
+    np.testing.assert_allclose(directions[0, 0], kernel[:, 1] - kernel[:, 0], atol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -131,9 +131,10 @@ def config_fields() -> ml_collections.ConfigDict:
     f.swap_target = 0.0
     f.swap_max_drop = 2.5
     # True: the twins may differ along the directions that move the task
-    # head's decision and nowhere else, so the attribute words keep what
-    # they tell the task (a probe reads the attribute only as far as the
-    # decision does) instead of costing it.
+    # head's decision and nowhere else (the words could keep what they tell
+    # the task). Measured on the main job: no effect (the twins' difference
+    # lies almost wholly outside the decision directions, and the encoder
+    # stops reading the words anyway; docs/efficacy.md, "Stop 40").
     f.swap_keep_task = False
     f.adversary = ml_collections.ConfigDict({"members": 5, "hidden": 1, "dropout": 0.3})
     return f
