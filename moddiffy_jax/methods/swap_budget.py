@@ -205,25 +205,14 @@ def choose_count(
 
 
 def choose_groups(
-    train: Any,
-    dev: Any,
-    attribute: str,
-    groups: Sequence[Sequence[int]],
-    *,
-    num_task_classes: int,
-    num_attr_classes: int,
-    target: float,
-    max_drop: float,
+    train: Any, dev: Any, attribute: str, groups: Sequence[Sequence[int]], **kw: Any
 ) -> GroupChoice:
-    """Reads every prefix of ``groups`` and chooses how many to swap."""
-    reads, floor = read_prefixes(
-        train,
-        dev,
-        attribute,
-        groups,
-        num_task_classes=num_task_classes,
-        num_attr_classes=num_attr_classes,
-    )
+    """Reads every prefix of ``groups`` (:func:`read_prefixes`, whose
+    ``num_task_classes`` and ``num_attr_classes`` go in ``kw``) and chooses
+    how many to swap (:func:`choose_count`, ``target`` and ``max_drop`` in
+    ``kw``)."""
+    target, max_drop = kw.pop("target"), kw.pop("max_drop")
+    reads, floor = read_prefixes(train, dev, attribute, groups, **kw)
     chosen, reason = choose_count(reads, target, max_drop)
     return GroupChoice(
         attribute=attribute,
