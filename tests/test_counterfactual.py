@@ -242,6 +242,8 @@ def test_objective_swap_trains_with_the_swaps_alone():
     )
     assert ctx.debias.objective == "swap" and ctx.debias.swap_weight == 10.0
     assert set(ctx.swap_tables) == {"gender", "age"}
+    # The groups a bag-of-tokens read chooses (stop 40), not every group.
+    assert ctx.debias.swap_target == 0.75 and set(ctx.swap_reads) == {"gender", "age"}
     assert not {"mmd_stats", "fisher_stats", "adversaries"} & set(state.trainable)
     gender = [s for s in substeps if s.name == "debias/gender"]
     _, metrics = jax.jit(common.make_train_step(gender))(
