@@ -55,6 +55,28 @@ def test_the_invariance_term_reads_only_the_changed_rows_in_units_of_spread():
     assert float(objectives.swap_invariance_loss(h, twin, none)) == 0.0
 
 
+def test_the_invariance_term_gives_nothing_for_shrinking_the_batch():
+    # A diff must not meet the term by collapsing every representation: the
+    # term is scale-free, and its gradient along a common scale is zero.
+    rng = np.random.default_rng(2)
+    h = jnp.asarray(rng.normal(size=(32, 8)), jnp.float32)
+    twin = h + 0.3 * jnp.asarray(rng.normal(size=(32, 8)), jnp.float32)
+    every = jnp.ones(32, bool)
+
+    def scaled(c):
+        return objectives.swap_invariance_loss(c * h, c * twin, every)
+
+    value, slope = jax.value_and_grad(scaled)(1.0)
+    assert float(scaled(0.1)) == pytest.approx(float(value), rel=1e-5)
+    assert abs(float(slope)) < 1e-5 * float(value)
+    # The twin held fixed (swap_twin_gradient=False): shrinking the batch
+    # away from it costs, it does not pay.
+    _, own = jax.value_and_grad(
+        lambda c: objectives.swap_invariance_loss(c * h, twin, every)
+    )(1.0)
+    assert float(own) < 0.0
+
+
 def test_keeping_the_decision_directions_leaves_them_out_of_the_distance():
     rng = np.random.default_rng(1)
     h = jnp.asarray(rng.normal(size=(64, 8)), jnp.float32)

@@ -84,10 +84,17 @@ def swap_invariance_loss(
 ) -> jax.Array:
     """Mean squared distance between ``h`` [B, H] and ``h_swapped`` [B, H]
     over the rows where ``changed`` [B] (bool) is set, divided by the
-    batch's total variance of ``h`` (no gradient through the scale), so the
-    term is 1 when a twin is as far as a random other example and 0 when
-    the swap leaves the representation unchanged; 0 for a batch the swap
-    does not touch.
+    batch's total variance of ``h``, so the term is 1 when a twin is as far
+    as a random other example and 0 when the swap leaves the representation
+    unchanged; 0 for a batch the swap does not touch.
+
+    The gradient flows through the scale too, so the term does not change
+    when the whole batch shrinks or grows. With the scale held fixed
+    (before stop 41) shrinking every representation lowered it as much as
+    removing the attribute did, and on some training seeds a dense diff
+    took that way in its first ten steps: the representation collapsed,
+    the twins met, and the diff's task loss sat at chance through the L0
+    phase (docs/efficacy.md, "Stop 41").
 
     With ``keep`` [B, K, H] (``swap_keep_task``: the directions that move
     the task head's decision) the distance leaves those directions out: the
@@ -101,6 +108,5 @@ def swap_invariance_loss(
         delta = outside(delta, keep.astype(jnp.float32))
     d = jnp.sum(jnp.square(delta), axis=-1)
     w = changed.astype(jnp.float32)
-    spread = jnp.sum(jnp.var(h, axis=0))
-    spread = jax.lax.stop_gradient(jnp.maximum(2.0 * spread, 1e-12))
+    spread = jnp.maximum(2.0 * jnp.sum(jnp.var(h, axis=0)), 1e-12)
     return jnp.sum(w * d) / jnp.maximum(jnp.sum(w), 1.0) / spread
