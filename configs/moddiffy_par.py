@@ -8,12 +8,23 @@ Run (from the repository root)::
 Arguments after ":" are comma-separated key=value pairs: data=synthetic|dwmw17
 (synthetic is generated in code; dwmw17 reads
 ../shared/data/dwmw17_dialect by path), model=minilm|tiny,
-objective=mmd|adversarial|swap (default mmd), scale=cpu|paper (paper: the
+objective=auto|mmd|adversarial|swap (default auto here, mmd in the other
+configs), scale=cpu|paper (paper: the
 paper's 15 + 15 epochs at batch 64 and lr 2e-5, for accelerators, e.g.
 configs/moddiffy_par.py:data=dwmw17,scale=paper --config.model.dir=DIR with
 a BERT-base directory or cached Hub name). Any field can be overridden with
 --config.<field>=<value>; the config is locked, so a misspelled field fails.
-Measured (2-core CPU, 2026-11-24, stop 14; scikit-learn probes of the
+Since stop 41 the default objective is "auto" (context.resolve_objective):
+counterfactual token swaps where a bag-of-tokens read says each attribute's
+counterpart words close at least half of its gap to the floor (the main
+job's data: gender 3 groups at 0.89, age 3 at 0.78), else the MMD recipe
+below (dwmw17: 0.18). Measured with the swaps (2-core CPU, 2026-11-27,
+training seeds 0-2; docs/efficacy.md "Stop 41"): each diff closes more
+than half of its gap under every probe within 2 points on every seed
+(gender 0.79-0.88 / 0.91-0.98, attacker / linear, at 0.7-1.9 points; age
+0.63-0.73 / 0.57-0.72 at 1.2-1.8); core + both keeps both past half on
+seeds 0 and 2 and 0.46-0.48 on seed 1, at 1.8-2.6 points.
+Measured with the MMD recipe (2-core CPU, 2026-11-24, stop 14; scikit-learn probes of the
 standardized representations; BENCHMARKS.md, docs/efficacy.md): over
 training seeds 0, 1, 2 the gender diff closes 0.59 ± 0.33 / 0.81 ± 0.26
 (linear / MLP) of the core-to-floor gap at -1.6 ± 0.5 points of test
@@ -43,6 +54,11 @@ from moddiffy_jax.config_lib import experiment_config
 
 
 def get_config(arg=None):
+    # The main job's removal objective, unless the argument names one:
+    # "auto" trains counterfactual swaps where a bag-of-tokens read says the
+    # attributes' counterpart words carry them, else the MMD recipe.
+    if "objective=" not in (arg or ""):
+        arg = ",".join(filter(None, ["objective=auto", arg]))
     config = experiment_config("moddiffy_par", arg)
     # The main job also builds a token-merge diff per attribute on its core
     # and adds those rows to its composition matrix (a few minutes on 2

@@ -46,6 +46,9 @@ class Context:
     # config.method.swap_target > 0: per attribute, the bag-of-tokens reads
     # that chose its groups (methods/swap_budget.GroupChoice.to_json()).
     swap_reads: dict[str, dict] | None = None
+    # config.method.objective == "auto": what it chose and the reads behind
+    # the choice (resolve_objective); None for a named objective.
+    objective_choice: dict | None = None
 
 
 def is_vision(config: ml_collections.ConfigDict) -> bool:
@@ -108,6 +111,9 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
             rng=jax.random.PRNGKey(config.seed),
             with_adapters=method.encoder == "adapter",
         )
+    config, objective_choice = resolve_objective(
+        config, method, dataset, attributes, pretrained, attr_classes
+    )
     diff_settings = None
     if "diff" in config:  # only the diff family's configs carry it.
         check_prune_config(config.diff)
@@ -163,6 +169,7 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
         swap_tables=swap_tables,
         swap_groups=swap_groups,
         swap_reads=swap_reads,
+        objective_choice=objective_choice,
     )
 
 
@@ -174,12 +181,7 @@ def _swaps(method, debias, dataset, attributes, pretrained, attr_classes):
     ``swap_target > 0``, the prefix of the groups methods/swap_budget.py
     chooses and its reads. ``(None, None, None)`` when the swaps are off. A
     ValueError names what is missing."""
-    from moddiffy_jax.methods import (
-        attribute_weights,
-        swap_budget,
-        token_merge,
-        word_rows,
-    )
+    from moddiffy_jax.methods import attribute_weights, word_rows
     from moddiffy_jax.subnets import selection
 
     if debias is None or not attribute_weights.uses_weight(debias, "swap_weight"):
@@ -193,15 +195,11 @@ def _swaps(method, debias, dataset, attributes, pretrained, attr_classes):
             "text encoder): set it to 0."
         )
     table = np.asarray(table)
-    train = dataset.splits["train"]
     groups_of, tables, reads = {}, {}, {}
     for attr in attributes:
         if attribute_weights.for_attribute(debias, attr).swap_weight <= 0.0:
             continue
-        ranked = word_rows.attribute_tokens(
-            train, [attr], debias.swap_candidates, debias.swap_share, table.shape[0]
-        )[attr]
-        groups = token_merge.counterpart_groups(train, attr, ranked, table)
+        groups = _counterpart_groups(dataset, attr, table, debias)
         if not groups:
             raise ValueError(
                 f"config.method.swap_weight > 0, but attribute {attr!r} has no "
@@ -216,16 +214,7 @@ def _swaps(method, debias, dataset, attributes, pretrained, attr_classes):
                     "groups on the dev split; this dataset has none: set "
                     "swap_target=0 (every group) or give the data a dev split."
                 )
-            choice = swap_budget.choose_groups(
-                train,
-                dataset.splits["dev"],
-                attr,
-                groups,
-                num_task_classes=len(dataset.task_classes),
-                num_attr_classes=int(attr_classes[attr]),
-                target=debias.swap_target,
-                max_drop=debias.swap_max_drop,
-            )
+            choice = _read_groups(dataset, attr, groups, attr_classes, debias)
             logging.info(
                 "swap_target %.2f for %s: %d of %d groups (%s)",
                 debias.swap_target,
@@ -240,6 +229,95 @@ def _swaps(method, debias, dataset, attributes, pretrained, attr_classes):
         groups_of[attr] = [np.asarray(g, np.int64) for g in groups]
         tables[attr] = objectives.swap_table(groups_of[attr], table.shape[0])
     return groups_of, tables, reads or None
+
+
+def _counterpart_groups(dataset, attr, table, fields) -> list:
+    """The attribute's counterpart groups on the training split (among the
+    ``fields.swap_candidates`` most telling tokens; methods/token_merge.py)."""
+    from moddiffy_jax.methods import token_merge, word_rows
+
+    train = dataset.splits["train"]
+    ranked = word_rows.attribute_tokens(
+        train, [attr], fields.swap_candidates, fields.swap_share, table.shape[0]
+    )[attr]
+    return token_merge.counterpart_groups(train, attr, ranked, table)
+
+
+def _read_groups(dataset, attr, groups, attr_classes, fields, every=False):
+    """methods/swap_budget.choose_groups of ``groups`` (train and dev);
+    ``every``: the reads of no group and of every group only."""
+    from moddiffy_jax.methods import swap_budget
+
+    return swap_budget.choose_groups(
+        dataset.splits["train"],
+        dataset.splits["dev"],
+        attr,
+        groups,
+        num_task_classes=len(dataset.task_classes),
+        num_attr_classes=int(attr_classes[attr]),
+        target=fields.swap_target,
+        max_drop=fields.swap_max_drop,
+        counts=(0, len(groups)) if every else None,
+    )
+
+
+def resolve_objective(config, method, dataset, attributes, pretrained, attr_classes):
+    """``config.method.objective == "auto"``: the counterfactual swaps
+    (config_lib.swap_preset) where, for every attribute, a bag-of-tokens read
+    of its counterpart groups (methods/swap_budget.py) says the groups the
+    swaps would take close at least ``method.auto_swap_closed`` of the gap
+    to the floor within ``swap_max_drop`` points; else the MMD recipe (an
+    attribute spread over words with no counterparts, as dwmw17's dialect,
+    or no text, no dev split, or no modular diffs). Returns the resolved
+    config (``objective`` "swap" or "mmd"; the requested one is what
+    config.json keeps) and what was chosen and why; ``(config, None)`` for
+    a named objective."""
+    from moddiffy_jax import config_lib
+    from moddiffy_jax.methods import word_rows
+    from moddiffy_jax.subnets import selection
+
+    if config.method.get("objective") != "auto":
+        return config, None
+    swaps = config.copy_and_resolve_references()
+    with swaps.unlocked():
+        config_lib.swap_preset(swaps)
+    need = float(config.method.get("auto_swap_closed", 0.5))
+    table = selection.flatten(pretrained).get(word_rows.WORD_TABLE)
+    reads, why = {}, ""
+    if method.debias != "modular" or table is None:
+        why = "the swaps need attribute diffs on a text encoder"
+    elif "dev" not in dataset.splits:
+        why = "the swaps' read needs a dev split"
+    for attr in attributes if not why else ():
+        groups = _counterpart_groups(dataset, attr, np.asarray(table), swaps.method)
+        if not groups:
+            why = f"{attr} has no counterpart tokens"
+            break
+        # Every group is the most the swaps can remove: where even that read
+        # falls short, the prefixes need no reading (dwmw17: 2 fits, not 62).
+        most = _read_groups(dataset, attr, groups, attr_classes, swaps.method, True)
+        read, budget = most.reads[-1], ""
+        if read.closed >= need:
+            choice = _read_groups(dataset, attr, groups, attr_classes, swaps.method)
+            read, budget = (
+                choice.reads[choice.chosen],
+                f" within {choice.max_drop:g} points",
+            )
+        reads[attr] = {"groups": read.groups, "of": len(groups)}
+        reads[attr].update(closed=read.closed, cost=read.cost)
+        if read.closed < need or (budget and read.cost > choice.max_drop):
+            why = f"{attr}'s swaps close {read.closed:.2f} of its gap (< {need:.2f})"
+            why += budget
+            break
+    chosen = "mmd" if why else "swap"
+    resolved = swaps if chosen == "swap" else config.copy_and_resolve_references()
+    with resolved.unlocked():
+        resolved.method.objective = chosen
+    resolved.lock()
+    choice = {"objective": chosen, "closed_needed": need, "reads": reads}
+    choice["reason"] = why or "every attribute's swaps close enough of its gap"
+    logging.info("objective auto: %s (%s)", chosen, choice["reason"])
+    return resolved, choice
 
 
 def _word_tokens(config, method, dataset, attributes, pretrained):

@@ -194,9 +194,9 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     step_jit_mode(config)  # a bad train.step_jit fails before anything runs
     compile_ahead_on(config)  # and a bad train.compile_ahead
     requested = config  # what config.json holds; phases in epochs resolve below
-    ctx = build_context(config)
-    config = resolve_epochs(config, len(ctx.data.splits["train"]))
-    if config is not requested:
+    ctx = build_context(config)  # ctx.config: objective "auto" resolved
+    config = resolve_epochs(ctx.config, len(ctx.data.splits["train"]))
+    if config is not ctx.config:
         ctx = dataclasses.replace(ctx, config=config)
     common.check_optim(
         config.optim,
@@ -383,6 +383,8 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
         results["swap_groups"] = swap_group_text(config, ctx.swap_groups)
     if getattr(ctx, "swap_reads", None):  # config.method.swap_target
         results["swap_reads"] = ctx.swap_reads
+    if getattr(ctx, "objective_choice", None):  # config.method.objective "auto"
+        results["objective_choice"] = ctx.objective_choice
     results["train_wall_time_s"] = time.time() - wall_start
     if config.eval.leakage and jax.process_index() == 0:
         results.update(_leakage(config, workdir, results, ctx.attributes, reps))

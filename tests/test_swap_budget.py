@@ -128,3 +128,65 @@ def test_a_swap_target_swaps_a_prefix_of_the_groups_and_records_its_reads():
             np.testing.assert_array_equal(kept, full)
         assert len(choice["reads"]) == len(every.swap_groups[attr]) + 1
         assert choice["reads"][choice["chosen"]]["closed"] >= 0.5
+
+
+def _par_config(arg=None, **overrides):
+    """configs/moddiffy_par.py's config on the tiny model (its default
+    objective is "auto")."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "moddiffy_par.py"
+    spec = importlib.util.spec_from_file_location("moddiffy_par_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(",".join(filter(None, ["model=tiny", arg])))
+    with config.unlocked():
+        config.data.synthetic.num_train = 2000
+        for key, value in overrides.items():
+            node = config
+            *parents, last = key.split(".")
+            for p in parents:
+                node = node[p]
+            node[last] = value
+    return config
+
+
+def test_auto_trains_swaps_where_the_words_carry_the_attributes():
+    config = _par_config()
+    assert config.method.objective == "auto" and config.method.swap_weight == 0.0
+    ctx = train.build_context(config)
+    # The resolved config is the swap recipe; the requested one is untouched.
+    assert ctx.config.method.objective == "swap" and config.method.objective == "auto"
+    assert (
+        ctx.config.method.swap_weight == 10.0 and ctx.config.method.swap_target == 0.75
+    )
+    assert ctx.config.method.fisher_weight == 0.0
+    assert not ctx.config.method.swap_twin_gradient
+    assert ctx.config.diff.compose_prob == 0.5
+    assert set(ctx.swap_tables) == {"gender", "age"}
+    choice = ctx.objective_choice
+    assert choice["objective"] == "swap"
+    for attr, read in choice["reads"].items():
+        assert (
+            read["closed"] >= 0.5 and read["groups"] == ctx.swap_reads[attr]["chosen"]
+        )
+    from moddiffy_jax.main import objective_line
+
+    line = objective_line(choice)
+    assert line.startswith("objective auto -> swap") and "gender: " in line
+
+
+def test_auto_keeps_the_mmd_recipe_where_the_swaps_fall_short_and_says_why():
+    # Asking the swaps for more than the read gives: the MMD recipe.
+    config = _par_config(
+        **{"method.auto_swap_closed": 0.99, "method.swap_max_drop": 0.5}
+    )
+    ctx = train.build_context(config)
+    assert ctx.config.method.objective == "mmd" and ctx.swap_tables is None
+    assert ctx.config.method.fisher_weight == 10.0
+    assert ctx.config.diff.compose_prob == 0.0
+    assert "of its gap (< 0.99)" in ctx.objective_choice["reason"]
+    # A named objective is left as it is, with no choice recorded.
+    named = train.build_context(_par_config("objective=mmd"))
+    assert named.config.method.objective == "mmd" and named.objective_choice is None

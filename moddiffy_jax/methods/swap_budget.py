@@ -148,8 +148,10 @@ def read_prefixes(
     *,
     num_task_classes: int,
     num_attr_classes: int,
+    counts: Sequence[int] | None = None,
 ) -> tuple[list[PrefixRead], float]:
-    """The read of every prefix of ``groups`` (0 .. all), and the floor."""
+    """The read of every prefix of ``groups`` (0 .. all; ``counts``: only
+    those numbers of groups, 0 first), and the floor."""
     columns = np.unique(
         np.asarray(train.input_ids)[np.asarray(train.attention_mask) > 0]
     )
@@ -165,7 +167,7 @@ def read_prefixes(
         num_attr_classes=num_attr_classes,
     )
     raw = []
-    for k in range(len(groups) + 1):
+    for k in range(len(groups) + 1) if counts is None else counts:
         x_tr, x_dev = (bag_of_tokens(s, groups[:k], columns) for s in (train, dev))
         task_w = fit_logistic(x_tr, task_tr, num_task_classes)
         attr_w = fit_logistic(x_tr, attr_tr, num_attr_classes, balanced=True)
