@@ -15,6 +15,11 @@ def tiny(method, arg="", **overrides):
     """The tiny config of ``method`` (``arg``: more ``key=value`` arguments;
     ``overrides``: dotted config fields, e.g. ``**{"method.core_run": d}``)."""
     config = experiment_config(method, ",".join(filter(None, ["model=tiny", arg])))
+    return set_fields(config, overrides)
+
+
+def set_fields(config, overrides):
+    """``config`` with the dotted fields of ``overrides`` set (in place)."""
     with config.unlocked():
         for key, value in overrides.items():
             node = config

@@ -11,7 +11,7 @@ import pytest
 from moddiffy_jax import train
 from moddiffy_jax.eval import metrics
 from moddiffy_jax.methods import swap_budget
-from tests.helpers import tiny
+from tests.helpers import set_fields, tiny
 
 
 def _split(ids, task, attr, pad=0):
@@ -141,15 +141,7 @@ def _par_config(arg=None, **overrides):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = module.get_config(",".join(filter(None, ["model=tiny", arg])))
-    with config.unlocked():
-        config.data.synthetic.num_train = 2000
-        for key, value in overrides.items():
-            node = config
-            *parents, last = key.split(".")
-            for p in parents:
-                node = node[p]
-            node[last] = value
-    return config
+    return set_fields(config, {"data.synthetic.num_train": 2000, **overrides})
 
 
 def test_auto_trains_swaps_where_the_words_carry_the_attributes():
