@@ -23,7 +23,9 @@ training seeds 0-2; docs/efficacy.md "Stop 41"): each diff closes more
 than half of its gap under every probe within 2 points on every seed
 (gender 0.79-0.88 / 0.91-0.98, attacker / linear, at 0.7-1.9 points; age
 0.63-0.73 / 0.57-0.72 at 1.2-1.8); core + both keeps both past half on
-seeds 0 and 2 and 0.46-0.48 on seed 1, at 1.8-2.6 points.
+seeds 0 and 2 and 0.46-0.48 on seed 1, at 1.8-2.6 points. On another
+data sample (data.seed=2, one run) it misses: gender at -2.4 points, age
+0.46 / 0.49.
 Measured with the MMD recipe (2-core CPU, 2026-11-24, stop 14; scikit-learn probes of the
 standardized representations; BENCHMARKS.md, docs/efficacy.md): over
 training seeds 0, 1, 2 the gender diff closes 0.59 ± 0.33 / 0.81 ± 0.26
