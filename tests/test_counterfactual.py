@@ -258,6 +258,43 @@ def test_a_fixed_twin_reads_the_same_term_with_a_one_sided_gradient():
     )
 
 
+def test_a_composing_twin_also_swaps_the_added_diffs_words():
+    """swap_compose: where a debias step adds another attribute's diff, its
+    twin also swaps that attribute's words; the gender step with an identity
+    table of its own then reads age's swaps, and only when asked to."""
+    ctx, _, state, frozen, batch = _first_step(
+        "moddiffy_par",
+        **{
+            "method.swap_weight": 1.0,
+            "diff.compose_prob": 1.0,
+            "data.synthetic.num_train": 2000,
+        },
+    )
+    age = ctx.swap_tables["age"]
+    ids = np.asarray(batch["input_ids"])
+    assert np.any(age[ids] != ids)
+    identity = np.arange(age.size)
+    values = {}
+    for name, others in (("composed", {"age": age}), ("alone", None)):
+        loss = common.make_debias_loss(
+            ctx.model,
+            ctx.method,
+            "gender",
+            phase="l0",
+            diff_settings=ctx.diff_settings,
+            debias=ctx.debias,
+            others=("age",),
+            others_prob=1.0,
+            swap_table=identity,
+            other_swap_tables=others,
+        )
+        _, terms = loss(state.trainable, frozen, batch, jax.random.PRNGKey(1))
+        values[name] = float(terms["swap/gender"])
+    assert values["alone"] == 0.0
+    assert values["composed"] > 0.0
+    assert not ctx.debias.swap_compose  # off unless asked for
+
+
 def test_objective_swap_trains_with_the_swaps_alone():
     ctx, substeps, state, frozen, batch = _first_step(
         "moddiffy_par", arg="objective=swap", **{"data.synthetic.num_train": 2000}

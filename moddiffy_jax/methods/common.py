@@ -45,6 +45,7 @@ from moddiffy_jax.methods.diff_parts import (
     DiffSettings,
     add_sparse,  # noqa: F401
     apply_diff_part,
+    others_present,
     with_other_diffs,
 )
 
@@ -651,6 +652,7 @@ def make_debias_loss(
     others: Sequence[str] = (),
     others_prob: float = 0.0,
     swap_table: np.ndarray | None = None,
+    other_swap_tables: Mapping[str, np.ndarray] | None = None,
 ) -> Callable:
     """Loss of attribute ``attribute``'s modular debias step.
 
@@ -661,17 +663,26 @@ def make_debias_loss(
     With ``swap_table`` ([vocab] token permutation) and
     ``debias.swap_weight > 0`` the batch is encoded again with its tokens
     swapped and the term ``swap/<attribute>`` pulls each changed example's
-    two representations together (objectives/counterfactual.py).
+    two representations together (objectives/counterfactual.py); with
+    ``other_swap_tables`` (``swap_compose``) the twin also swaps the words of
+    each other attribute whose diff the step added, so this diff learns not
+    to give back what theirs removed.
     """
     swap = None
     swap_weight = attribute_weights.for_attribute(debias, attribute).swap_weight
     if swap_table is not None and swap_weight > 0.0:
         swap = jnp.asarray(np.asarray(swap_table, np.int32))
+    other_swaps = {
+        o: jnp.asarray(np.asarray(t, np.int32))
+        for o, t in (other_swap_tables or {}).items()
+        if o in others and others_prob > 0.0
+    }
 
     def loss(trainable, frozen, batch, rng):
-        seen, seen_frozen = trainable, frozen
+        seen, seen_frozen, present = trainable, frozen, {}
         if others and others_prob > 0.0:
             rng, r_others = jax.random.split(rng)
+            present = others_present(others, others_prob, r_others)
             seen, seen_frozen = with_other_diffs(
                 method,
                 trainable,
@@ -681,6 +692,7 @@ def make_debias_loss(
                 r_others,
                 phase=phase,
                 settings=diff_settings,
+                present=present,
             )
         h, logits, terms, r_adv, task_of, represent, decision = _task_forward(
             model,
@@ -745,6 +757,8 @@ def make_debias_loss(
             # swapped, under the same params and dropout masks.
             ids = batch["input_ids"]
             swapped = swap[ids]
+            for other, table in other_swaps.items():
+                swapped = jnp.where(present[other], table[swapped], swapped)
             h_swapped = represent({**batch, "input_ids": swapped})
             if not debias.swap_twin_gradient:
                 h_swapped = jax.lax.stop_gradient(h_swapped)

@@ -66,6 +66,15 @@ def apply_diff_part(
     return add_sparse(base, indices, part)
 
 
+def others_present(others: Sequence[str], prob: float, rng: jax.Array) -> dict:
+    """One draw per other attribute's diff: whether a composing debias step
+    adds it (probability ``prob``)."""
+    return {
+        other: jax.random.bernoulli(jax.random.fold_in(rng, i), prob)
+        for i, other in enumerate(others)
+    }
+
+
 def with_other_diffs(
     method: Any,
     trainable: Mapping[str, Any],
@@ -76,9 +85,11 @@ def with_other_diffs(
     *,
     phase: str,
     settings: DiffSettings,
+    present: Mapping[str, jax.Array] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(trainable, frozen)`` whose core (or frozen base) carries each of the
-    ``others``' diffs with probability ``prob`` (one draw per diff and step;
+    ``others``' diffs with probability ``prob`` (one draw per diff and step,
+    :func:`others_present` from ``rng`` unless ``present`` gives them;
     deterministic gates in ``l0``; no gradient reaches them).
 
     A debias step that sees its attribute's diff beside the others' learns a
@@ -89,8 +100,9 @@ def with_other_diffs(
     tree = trainable if key == "core" else frozen
     params = tree[key]
     indices = frozen.get("indices", {}).get("diffs", {})
-    for i, other in enumerate(others):
-        present = jax.random.bernoulli(jax.random.fold_in(rng, i), prob)
+    if present is None:
+        present = others_present(others, prob, rng)
+    for other in others:
         part = jax.lax.stop_gradient(trainable["diffs"][other])
         added = apply_diff_part(
             params,
@@ -101,7 +113,9 @@ def with_other_diffs(
             rng=None,
             train=False,
         )
-        params = jax.tree.map(lambda a, b, p=present: jnp.where(p, a, b), added, params)
+        params = jax.tree.map(
+            lambda a, b, p=present[other]: jnp.where(p, a, b), added, params
+        )
     if key == "core":
         return {**trainable, "core": params}, dict(frozen)
     return dict(trainable), {**frozen, "base": params}

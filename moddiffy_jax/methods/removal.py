@@ -150,6 +150,8 @@ class DebiasSettings:
     # True: the swap distance leaves out the directions that move the task
     # head's decision (objectives/counterfactual.swap_invariance_loss).
     swap_keep_task: bool = False
+    # True: a composing step's twin also swaps the added diffs' attributes.
+    swap_compose: bool = False
 
 
 def debias_term(
@@ -596,6 +598,7 @@ _LATER_FIELDS = (
     ("swap_target", 0.0),
     ("swap_max_drop", 2.5),
     ("swap_keep_task", False),
+    ("swap_compose", False),
 )
 
 
@@ -729,7 +732,7 @@ def settings_from_config(
             "config.method.swap_share must be in [0, 1] (a share of the best "
             f"token's score), got {fields['swap_share']}."
         )
-    for name in ("swap_twin_gradient", "swap_keep_task"):
+    for name in ("swap_twin_gradient", "swap_keep_task", "swap_compose"):
         if not isinstance(fields[name], bool):
             raise ValueError(
                 f"config.method.{name} must be True or False, got {fields[name]!r}."

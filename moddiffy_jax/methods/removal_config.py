@@ -141,5 +141,9 @@ def config_fields() -> ml_collections.ConfigDict:
     # lies almost wholly outside the decision directions, and the encoder
     # stops reading the words anyway; docs/efficacy.md, "Stop 40").
     f.swap_keep_task = False
+    # True (with diff.compose_prob > 0): when a debias step adds another
+    # attribute's diff, its twin also swaps that attribute's words, so this
+    # diff is asked not to give back what the other removed (core + both).
+    f.swap_compose = False
     f.adversary = ml_collections.ConfigDict({"members": 5, "hidden": 1, "dropout": 0.3})
     return f

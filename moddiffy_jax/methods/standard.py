@@ -143,6 +143,9 @@ def substeps(ctx, phase: str, trainable: dict) -> list[common.SubStep]:
         # diffs too (common.with_other_diffs); its loss then reads them by
         # name, so it is written for its own attribute, not shared.
         compose = float(ctx.config.get("diff", {}).get("compose_prob", 0.0))
+        tables = getattr(ctx, "swap_tables", None) or {}
+        # swap_compose: a composing step's twin swaps the added diffs' words too.
+        other_tables = tables if ctx.debias and ctx.debias.swap_compose else {}
         shared_losses: dict[str, Any] = {}
         for attr in ctx.attributes:
             # Attributes whose removal terms read equal settings share one
@@ -152,7 +155,7 @@ def substeps(ctx, phase: str, trainable: dict) -> list[common.SubStep]:
                 ctx.debias, attr, common.SHARED_ATTRIBUTE
             )
             # Counterfactual swaps read the attribute's own swap table.
-            swaps = (getattr(ctx, "swap_tables", None) or {}).get(attr)
+            swaps = tables.get(attr)
             if compose > 0.0 or swaps is not None:
                 settings = None
             name = attr if settings is None else common.SHARED_ATTRIBUTE
@@ -174,6 +177,7 @@ def substeps(ctx, phase: str, trainable: dict) -> list[common.SubStep]:
                     others=tuple(a for a in ctx.attributes if a != name),
                     others_prob=compose,
                     swap_table=swaps,
+                    other_swap_tables=other_tables,
                 )
 
             if settings is None:
