@@ -111,8 +111,9 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
             rng=jax.random.PRNGKey(config.seed),
             with_adapters=method.encoder == "adapter",
         )
+    found: dict = {}  # auto's groups and reads, for _swaps to reuse
     config, objective_choice = resolve_objective(
-        config, method, dataset, attributes, pretrained, attr_classes
+        config, method, dataset, attributes, pretrained, attr_classes, found
     )
     diff_settings = None
     if "diff" in config:  # only the diff family's configs carry it.
@@ -149,7 +150,7 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
             )
     word_tokens = _word_tokens(config, method, dataset, attributes, pretrained)
     swap_groups, swap_tables, swap_reads = _swaps(
-        method, debias, dataset, attributes, pretrained, attr_classes
+        method, debias, dataset, attributes, pretrained, attr_classes, found
     )
     if config.method.task_loss == "conf_reg":
         dataset = _with_teacher_probs(config, dataset, model)
@@ -173,14 +174,15 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
     )
 
 
-def _swaps(method, debias, dataset, attributes, pretrained, attr_classes):
+def _swaps(method, debias, dataset, attributes, pretrained, attr_classes, found=None):
     """``config.method.swap_weight > 0``: per attribute, its counterpart
     groups among the tokens that tell it beyond the task label on the
     training split (methods/token_merge.py), paired by the pretrained word
     rows, and the swap table they make (objectives/counterfactual.py); with
     ``swap_target > 0``, the prefix of the groups methods/swap_budget.py
-    chooses and its reads. ``(None, None, None)`` when the swaps are off. A
-    ValueError names what is missing."""
+    chooses and its reads (``found``: an attribute's groups and choice that
+    resolve_objective already read). ``(None, None, None)`` when the swaps
+    are off. A ValueError names what is missing."""
     from moddiffy_jax.methods import attribute_weights, word_rows
     from moddiffy_jax.subnets import selection
 
@@ -199,7 +201,9 @@ def _swaps(method, debias, dataset, attributes, pretrained, attr_classes):
     for attr in attributes:
         if attribute_weights.for_attribute(debias, attr).swap_weight <= 0.0:
             continue
-        groups = _counterpart_groups(dataset, attr, table, debias)
+        groups, choice = (found or {}).get(attr, (None, None))
+        if groups is None:
+            groups = _counterpart_groups(dataset, attr, table, debias)
         if not groups:
             raise ValueError(
                 f"config.method.swap_weight > 0, but attribute {attr!r} has no "
@@ -214,7 +218,8 @@ def _swaps(method, debias, dataset, attributes, pretrained, attr_classes):
                     "groups on the dev split; this dataset has none: set "
                     "swap_target=0 (every group) or give the data a dev split."
                 )
-            choice = _read_groups(dataset, attr, groups, attr_classes, debias)
+            if choice is None:
+                choice = _read_groups(dataset, attr, groups, attr_classes, debias)
             logging.info(
                 "swap_target %.2f for %s: %d of %d groups (%s)",
                 debias.swap_target,
@@ -261,7 +266,9 @@ def _read_groups(dataset, attr, groups, attr_classes, fields, every=False):
     )
 
 
-def resolve_objective(config, method, dataset, attributes, pretrained, attr_classes):
+def resolve_objective(
+    config, method, dataset, attributes, pretrained, attr_classes, found=None
+):
     """``config.method.objective == "auto"``: the counterfactual swaps
     (config_lib.swap_preset) where, for every attribute, a bag-of-tokens read
     of its counterpart groups (methods/swap_budget.py) says the groups the
@@ -271,7 +278,8 @@ def resolve_objective(config, method, dataset, attributes, pretrained, attr_clas
     or no text, no dev split, or no modular diffs). Returns the resolved
     config (``objective`` "swap" or "mmd"; the requested one is what
     config.json keeps) and what was chosen and why; ``(config, None)`` for
-    a named objective."""
+    a named objective. Where the swaps win, ``found`` (a dict) receives each
+    attribute's groups and budget choice, which the swaps' tables reuse."""
     from moddiffy_jax import config_lib
     from moddiffy_jax.methods import word_rows
     from moddiffy_jax.subnets import selection
@@ -296,9 +304,11 @@ def resolve_objective(config, method, dataset, attributes, pretrained, attr_clas
         # Every group is the most the swaps can remove: where even that read
         # falls short, the prefixes need no reading (dwmw17: 2 fits, not 62).
         most = _read_groups(dataset, attr, groups, attr_classes, swaps.method, True)
-        read, budget = most.reads[-1], ""
+        read, budget, choice = most.reads[-1], "", None
         if read.closed >= need:
             choice = _read_groups(dataset, attr, groups, attr_classes, swaps.method)
+            if found is not None:
+                found[attr] = (groups, choice)
             read, budget = (
                 choice.reads[choice.chosen],
                 f" within {choice.max_drop:g} points",
@@ -310,6 +320,8 @@ def resolve_objective(config, method, dataset, attributes, pretrained, attr_clas
             why += budget
             break
     chosen = "mmd" if why else "swap"
+    if why and found is not None:
+        found.clear()
     resolved = swaps if chosen == "swap" else config.copy_and_resolve_references()
     with resolved.unlocked():
         resolved.method.objective = chosen

@@ -8,7 +8,7 @@ import types
 import numpy as np
 import pytest
 
-from moddiffy_jax import train
+from moddiffy_jax import context, train
 from moddiffy_jax.eval import metrics
 from moddiffy_jax.methods import swap_budget
 from tests.helpers import set_fields, tiny
@@ -144,10 +144,19 @@ def _par_config(arg=None, **overrides):
     return set_fields(config, {"data.synthetic.num_train": 2000, **overrides})
 
 
-def test_auto_trains_swaps_where_the_words_carry_the_attributes():
+def test_auto_trains_swaps_where_the_words_carry_the_attributes(monkeypatch):
     config = _par_config()
     assert config.method.objective == "auto" and config.method.swap_weight == 0.0
+    found = []
+    finder = context._counterpart_groups
+    monkeypatch.setattr(
+        context,
+        "_counterpart_groups",
+        lambda dataset, attr, *a: found.append(attr) or finder(dataset, attr, *a),
+    )
     ctx = train.build_context(config)
+    # The swaps' tables reuse the groups the decision found (once each).
+    assert sorted(found) == ["age", "gender"]
     # The resolved config is the swap recipe; the requested one is untouched.
     assert ctx.config.method.objective == "swap" and config.method.objective == "auto"
     assert (
