@@ -529,21 +529,28 @@ def set_ffw_for_cpu(c: ml_collections.ConfigDict, data: str) -> None:
         c.ffw.max_gate_train_examples = 2000
 
 
-def swap_preset(c: ml_collections.ConfigDict) -> None:
+def swap_preset(c: ml_collections.ConfigDict, keep_changed: bool = False) -> None:
     """``objective=swap`` (and ``auto`` where it chooses the swaps): the
     counterfactual swaps alone (docs/efficacy.md, "Stop 39"), on the groups
     a bag-of-tokens read says close 0.75 of the gap within 2.5 points
     ("Stop 40": every group costs the task all the words are worth). In
     MoDDiffy-par the twin is a fixed target and each diff trains with the
     others added half the time ("Stop 41": both diffs past the bar on
-    three training seeds, and core + both at or near it)."""
-    c.method.objective = "swap"
-    c.method.fisher_weight = 0.0
-    c.method.swap_weight = 10.0
-    c.method.swap_target = 0.75
+    three training seeds, and core + both at or near it).
+
+    ``keep_changed`` (``auto``, applied after the command line's overrides):
+    a swap field the run set away from the method's default keeps its value.
+    """
+    preset = {"method.swap_weight": 10.0, "method.swap_target": 0.75}
     if c.method.name == "moddiffy_par":
-        c.method.swap_twin_gradient = False
-        c.diff.compose_prob = 0.5
+        preset.update({"method.swap_twin_gradient": False, "diff.compose_prob": 0.5})
+    default = base_config(c.method.name) if keep_changed else None
+    c.method.objective = "swap"
+    c.method.fisher_weight = 0.0  # it reads the whitened MMD's statistics.
+    for dotted, value in preset.items():
+        group, name = dotted.split(".")
+        if default is None or c[group][name] == default[group][name]:
+            c[group][name] = value
 
 
 def experiment_config(method: str, arg: str | None) -> ml_collections.ConfigDict:

@@ -288,7 +288,7 @@ def resolve_objective(
         return config, None
     swaps = config.copy_and_resolve_references()
     with swaps.unlocked():
-        config_lib.swap_preset(swaps)
+        config_lib.swap_preset(swaps, keep_changed=True)
     need = float(config.method.get("auto_swap_closed", 0.5))
     table = selection.flatten(pretrained).get(word_rows.WORD_TABLE)
     reads, why = {}, ""

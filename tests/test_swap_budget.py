@@ -191,3 +191,21 @@ def test_auto_keeps_the_mmd_recipe_where_the_swaps_fall_short_and_says_why():
     # A named objective is left as it is, with no choice recorded.
     named = train.build_context(_par_config("objective=mmd"))
     assert named.config.method.objective == "mmd" and named.objective_choice is None
+
+
+def test_auto_keeps_the_swap_fields_a_run_set():
+    """objective=auto applies the swap preset after the command line's
+    overrides: a field set away from the method's default keeps its value,
+    the others take the preset's."""
+    from moddiffy_jax import config_lib
+
+    config = _par_config(**{"method.swap_target": 0.5, "diff.compose_prob": 0.25})
+    resolved = config.copy_and_resolve_references()
+    config_lib.swap_preset(resolved, keep_changed=True)
+    assert resolved.method.swap_target == 0.5 and resolved.diff.compose_prob == 0.25
+    assert resolved.method.swap_weight == 10.0
+    assert resolved.method.swap_twin_gradient is False
+    assert resolved.method.objective == "swap"
+    # objective=swap (before the overrides) sets every field.
+    config_lib.swap_preset(resolved)
+    assert resolved.method.swap_target == 0.75 and resolved.diff.compose_prob == 0.5
