@@ -103,24 +103,14 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, OSError, RunLocked, FloatingPointError)
 
 
-def objective_line(choice: dict) -> str:
-    """What ``objective=auto`` chose, with each attribute's swap read."""
-    reads = "; ".join(
-        f"{a}: {r['groups']} of {r['of']} groups close {r['closed']:.2f} of the "
-        f"gap at {r['cost']:.1f} pts"
-        for a, r in choice.get("reads", {}).items()
-    )
-    return f"objective auto -> {choice['objective']}: {choice['reason']}" + (
-        f" (bag-of-tokens read on dev; {reads})" if reads else ""
-    )
-
-
 def format_results(results: dict) -> str:
     """A plain-text table of a run's final results."""
     lines = []
     synthetic = " (SYNTHETIC data)" if results.get("synthetic") else ""
     lines.append(f"method {results['method']} on {results['dataset']}{synthetic}")
     if "objective_choice" in results:
+        from moddiffy_jax.eval.report import objective_line
+
         lines.append(objective_line(results["objective_choice"]))
     if "composition" not in results:  # FFW on images: its own before/after table
         lines += format_ffw(results)

@@ -172,10 +172,30 @@ def test_auto_trains_swaps_where_the_words_carry_the_attributes(monkeypatch):
         assert (
             read["closed"] >= 0.5 and read["groups"] == ctx.swap_reads[attr]["chosen"]
         )
-    from moddiffy_jax.main import objective_line
+    from moddiffy_jax.eval.report import objective_line
 
     line = objective_line(choice)
     assert line.startswith("objective auto -> swap") and "gender: " in line
+    # The run's report.md says it too.
+    from moddiffy_jax.eval import composition
+
+    task = {"accuracy": 0.5, "macro_f1": 0.5}
+    results = {
+        "method": "moddiffy_par",
+        "dataset": "synthetic",
+        "attributes": [],
+        "probe_config": {"members": 1, "seeds": [0]},
+        "composition": {
+            "core": {
+                "dev_task_acc": 0.5,
+                "test_task_acc": 0.5,
+                "task": {"dev": task, "test": task},
+                "leakage": {},
+            }
+        },
+        "objective_choice": choice,
+    }
+    assert line in composition.format_report(results).splitlines()
 
 
 def test_auto_keeps_the_mmd_recipe_where_the_swaps_fall_short_and_says_why():

@@ -590,6 +590,11 @@ def evaluate_run(
         **({"token_merge": merges} if merges else {}),
         **({"strength": strengths} if strengths else {}),
         "floors": leakage_floors(ctx) if ctx.attributes else {},
+        **(
+            {"objective_choice": c}
+            if (c := getattr(ctx, "objective_choice", None))
+            else {}
+        ),
         "wall_time_s": time.time() - start,
     }
     out_dir = workdir / "eval"

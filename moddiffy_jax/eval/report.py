@@ -37,6 +37,18 @@ def _bias_splits(results: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def objective_line(choice: Mapping[str, Any]) -> str:
+    """What ``objective=auto`` chose, with each attribute's swap read."""
+    reads = "; ".join(
+        f"{a}: {r['groups']} of {r['of']} groups close {r['closed']:.2f} of the "
+        f"gap at {r['cost']:.1f} pts"
+        for a, r in choice.get("reads", {}).items()
+    )
+    return f"objective auto -> {choice['objective']}: {choice['reason']}" + (
+        f" (bag-of-tokens read on dev; {reads})" if reads else ""
+    )
+
+
 def format_report(results: Mapping[str, Any]) -> str:
     """The composition table as Markdown (one row per configuration).
 
@@ -65,6 +77,8 @@ def format_report(results: Mapping[str, Any]) -> str:
         "is 1/#classes. `lin` is a linear probe.",
         "",
     ]
+    if results.get("objective_choice"):
+        lines += [objective_line(results["objective_choice"]), ""]
     if bias_splits:
         lines += [
             "`aligned` / `conflicting`: task accuracy on the examples whose "
