@@ -53,6 +53,19 @@ def config_to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
     return json.loads(config.to_json_best_effort(sort_keys=True))
 
 
+def _added_at_default(config, old: Mapping, new: Mapping) -> set[str]:
+    """Fields the run's config.json lacks (added to the library since the run
+    started) whose value is the library's default: the run had that
+    behaviour, so a resume after an upgrade is the same run."""
+    missing = set(new) - set(old)
+    if not missing or "name" not in config.get("method", {}):
+        return set()
+    from moddiffy_jax import config_lib
+
+    default = _flat_config(config_to_dict(config_lib.base_config(config.method.name)))
+    return {k for k in missing if k in default and default[k] == new[k]}
+
+
 def check_workdir(config: ml_collections.ConfigDict, workdir: Path) -> None:
     """Refuses ``workdir`` if it is a file or holds a run of another config.
 
@@ -82,10 +95,11 @@ def prepare_workdir(
     if path.exists():
         old = json.loads(path.read_text())
         a, b = _flat_config(old), _flat_config(new)
+        added = _added_at_default(config, a, b)
         changed = sorted(
             k
             for k in set(a) | set(b)
-            if a.get(k) != b.get(k) and k not in _VOLATILE_KEYS
+            if a.get(k) != b.get(k) and k not in _VOLATILE_KEYS and k not in added
         )
         if changed:
             details = ", ".join(
