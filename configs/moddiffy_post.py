@@ -8,8 +8,12 @@ Run (from the repository root)::
 Arguments after ":" are comma-separated key=value pairs: data=synthetic|dwmw17
 (synthetic is generated in code; dwmw17 reads
 ../shared/data/dwmw17_dialect by path), model=minilm|tiny,
-objective=mmd|adversarial|swap (default mmd; swap: the counterfactual
-token swaps alone, docs/efficacy.md "Stop 39"). Any field can be overridden with
+objective=auto|mmd|adversarial|swap (default auto, since stop 42: the
+counterfactual token swaps where a bag-of-tokens read says the attributes'
+counterpart words carry them, else the MMD recipe; on the main job's
+SYNTHETIC data, samples 0 and 2, each diff then closes more than half of
+its gap within 2 points, docs/efficacy.md "Stop 42"; swap: the swaps
+whatever the read says, "Stop 39"). Any field can be overridden with
 --config.<field>=<value>; the config is locked, so a misspelled field fails.
 
 MoDDiffy-post needs a finished finetune run of the same data and model:
@@ -20,6 +24,9 @@ from moddiffy_jax.config_lib import experiment_config
 
 
 def get_config(arg=None):
+    # As the main job: "auto" unless the argument names an objective.
+    if "objective=" not in (arg or ""):
+        arg = ",".join(filter(None, ["objective=auto", arg]))
     config = experiment_config("moddiffy_post", arg)
     # Like the main job, the report also builds a token-merge diff per
     # attribute on the frozen core (post hoc, as these diffs are; a few

@@ -130,14 +130,14 @@ def test_a_swap_target_swaps_a_prefix_of_the_groups_and_records_its_reads():
         assert choice["reads"][choice["chosen"]]["closed"] >= 0.5
 
 
-def _par_config(arg=None, **overrides):
-    """configs/moddiffy_par.py's config on the tiny model (its default
-    objective is "auto")."""
+def _par_config(arg=None, method="moddiffy_par", **overrides):
+    """configs/<method>.py's config on the tiny model (its default objective
+    is "auto")."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "configs" / "moddiffy_par.py"
-    spec = importlib.util.spec_from_file_location("moddiffy_par_config", path)
+    path = Path(__file__).resolve().parents[1] / "configs" / f"{method}.py"
+    spec = importlib.util.spec_from_file_location(f"{method}_config", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = module.get_config(",".join(filter(None, ["model=tiny", arg])))
@@ -229,3 +229,9 @@ def test_auto_keeps_the_swap_fields_a_run_set():
     # objective=swap (before the overrides) sets every field.
     config_lib.swap_preset(resolved)
     assert resolved.method.swap_target == 0.75 and resolved.diff.compose_prob == 0.5
+
+
+def test_the_post_config_chooses_the_objective_unless_named():
+    assert _par_config(method="moddiffy_post").method.objective == "auto"
+    named = _par_config("objective=mmd", method="moddiffy_post")
+    assert named.method.objective == "mmd"
