@@ -144,8 +144,9 @@ def test_the_groups_pair_marker_words_of_different_classes():
             assert table[x] == y and table[y] == x
 
 
-def _gender_loss(ctx, swaps):
-    """The gender debias step's loss (L0 phase) with swap table ``swaps``."""
+def _gender_loss(ctx, swaps, **more):
+    """The gender debias step's loss (L0 phase) with swap table ``swaps``
+    (``more``: make_debias_loss's other keywords)."""
     return common.make_debias_loss(
         ctx.model,
         ctx.method,
@@ -154,6 +155,7 @@ def _gender_loss(ctx, swaps):
         diff_settings=ctx.diff_settings,
         debias=ctx.debias,
         swap_table=swaps,
+        **more,
     )
 
 
@@ -276,17 +278,8 @@ def test_a_composing_twin_also_swaps_the_added_diffs_words():
     identity = np.arange(age.size)
     values = {}
     for name, others in (("composed", {"age": age}), ("alone", None)):
-        loss = common.make_debias_loss(
-            ctx.model,
-            ctx.method,
-            "gender",
-            phase="l0",
-            diff_settings=ctx.diff_settings,
-            debias=ctx.debias,
-            others=("age",),
-            others_prob=1.0,
-            swap_table=identity,
-            other_swap_tables=others,
+        loss = _gender_loss(
+            ctx, identity, others=("age",), others_prob=1.0, other_swap_tables=others
         )
         _, terms = loss(state.trainable, frozen, batch, jax.random.PRNGKey(1))
         values[name] = float(terms["swap/gender"])
