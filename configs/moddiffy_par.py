@@ -59,9 +59,7 @@ def get_config(arg=None):
     # The main job's removal objective, unless the argument names one:
     # "auto" trains counterfactual swaps where a bag-of-tokens read says the
     # attributes' counterpart words carry them, else the MMD recipe.
-    if "objective=" not in (arg or ""):
-        arg = ",".join(filter(None, ["objective=auto", arg]))
-    config = experiment_config("moddiffy_par", arg)
+    config = experiment_config("moddiffy_par", arg, objective="auto")
     # The main job also builds a token-merge diff per attribute on its core
     # and adds those rows to its composition matrix (a few minutes on 2
     # cores; --config.eval.token_merge.enabled=False turns it off).

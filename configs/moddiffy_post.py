@@ -25,9 +25,7 @@ from moddiffy_jax.config_lib import experiment_config
 
 def get_config(arg=None):
     # As the main job: "auto" unless the argument names an objective.
-    if "objective=" not in (arg or ""):
-        arg = ",".join(filter(None, ["objective=auto", arg]))
-    config = experiment_config("moddiffy_post", arg)
+    config = experiment_config("moddiffy_post", arg, objective="auto")
     # Like the main job, the report also builds a token-merge diff per
     # attribute on the frozen core (post hoc, as these diffs are; a few
     # minutes on 2 cores; --config.eval.token_merge.enabled=False turns it

@@ -553,9 +553,16 @@ def swap_preset(c: ml_collections.ConfigDict, keep_changed: bool = False) -> Non
             c[group][name] = value
 
 
-def experiment_config(method: str, arg: str | None) -> ml_collections.ConfigDict:
-    """The locked config of ``method`` for the ``arg`` variant."""
+def experiment_config(
+    method: str, arg: str | None, objective: str | None = None
+) -> ml_collections.ConfigDict:
+    """The locked config of ``method`` for the ``arg`` variant; ``objective``:
+    the config file's removal objective where ``arg`` names none (the main
+    job's and MoDDiffy-post's "auto")."""
     opts = parse_arg(arg)
+    named = {item.partition("=")[0] for item in (arg or "").split(",")}
+    if objective is not None and "objective" not in named:
+        opts["objective"] = parse_arg(f"objective={objective}")["objective"]
     c = base_config(method)
     set_data(c, opts["data"])
     if "objective" in c.method:
