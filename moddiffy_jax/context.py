@@ -43,6 +43,9 @@ class Context:
     # counterfactual.py) and the groups it swaps; None: no swaps.
     swap_tables: dict[str, np.ndarray] | None = None
     swap_groups: dict[str, list[np.ndarray]] | None = None
+    # swap_target > 0: per attribute, every counterpart group in rank order
+    # (swap_groups is a prefix; methods/swap_reread.py may choose another).
+    swap_ranked: dict[str, list[np.ndarray]] | None = None
     # config.method.swap_target > 0: per attribute, the bag-of-tokens reads
     # that chose its groups (methods/swap_budget.GroupChoice.to_json()).
     swap_reads: dict[str, dict] | None = None
@@ -69,6 +72,10 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
             f"{list(common.TASK_LOSSES)}."
         )
     method.check_config(config)
+    if "swap_reread_at" in config.method:
+        from moddiffy_jax.methods import swap_reread
+
+        swap_reread.check_config(config.method)
     vision = is_vision(config)
     if vision:
         from moddiffy_jax.data import vision as vision_data
@@ -149,8 +156,16 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
                 "the task: set it to False."
             )
     word_tokens = _word_tokens(config, method, dataset, attributes, pretrained)
+    swap_ranked: dict = {}
     swap_groups, swap_tables, swap_reads = _swaps(
-        method, debias, dataset, attributes, pretrained, attr_classes, found
+        method,
+        debias,
+        dataset,
+        attributes,
+        pretrained,
+        attr_classes,
+        found,
+        swap_ranked,
     )
     if config.method.task_loss == "conf_reg":
         dataset = _with_teacher_probs(config, dataset, model)
@@ -169,12 +184,22 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
         word_tokens=word_tokens,
         swap_tables=swap_tables,
         swap_groups=swap_groups,
+        swap_ranked=swap_ranked or None,
         swap_reads=swap_reads,
         objective_choice=objective_choice,
     )
 
 
-def _swaps(method, debias, dataset, attributes, pretrained, attr_classes, found=None):
+def _swaps(
+    method,
+    debias,
+    dataset,
+    attributes,
+    pretrained,
+    attr_classes,
+    found=None,
+    ranked=None,
+):
     """``config.method.swap_weight > 0``: per attribute, its counterpart
     groups among the tokens that tell it beyond the task label on the
     training split (methods/token_merge.py), paired by the pretrained word
@@ -182,7 +207,8 @@ def _swaps(method, debias, dataset, attributes, pretrained, attr_classes, found=
     ``swap_target > 0``, the prefix of the groups methods/swap_budget.py
     chooses and its reads (``found``: an attribute's groups and choice that
     resolve_objective already read). ``(None, None, None)`` when the swaps
-    are off. A ValueError names what is missing."""
+    are off. ``ranked`` (a dict) receives every attribute's groups in rank
+    order where a prefix is chosen. A ValueError names what is missing."""
     from moddiffy_jax.methods import attribute_weights, word_rows
     from moddiffy_jax.subnets import selection
 
@@ -229,6 +255,8 @@ def _swaps(method, debias, dataset, attributes, pretrained, attr_classes, found=
                 choice.reason,
             )
             reads[attr] = choice.to_json()
+            if ranked is not None:
+                ranked[attr] = [np.asarray(g, np.int64) for g in groups]
             groups = groups[: choice.chosen]
         logging.info("swap groups for %s: %s", attr, [g.tolist() for g in groups])
         groups_of[attr] = [np.asarray(g, np.int64) for g in groups]

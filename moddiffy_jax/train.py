@@ -42,7 +42,7 @@ from moddiffy_jax.context import Context, build_context
 from moddiffy_jax.eval.during import evaluate_during
 from moddiffy_jax.eval.evaluator import Evaluator
 from moddiffy_jax.export import export_and_evaluate
-from moddiffy_jax.methods import common
+from moddiffy_jax.methods import common, swap_reread
 from moddiffy_jax.workdir import (
     MetricWriter,
     Preempted,
@@ -244,11 +244,13 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
         phase_step, global_step = meta["phase_step"], meta["step"]
         iterator.set_state(meta["iterator"])
         trainable, frozen = method.restore(ctx, trainable, frozen, meta["phase"], extra)
+        _, frozen = swap_reread.resume(ctx, workdir, global_step, frozen)
         restored_state = latest
         logging.info("Resuming from step %d (phase %s).", latest, meta["phase"])
 
     ahead: _Ahead | None = None  # the next phase's step, compiling meanwhile
     total_steps = sum(method.phase_steps(config, p) for p in phases)
+    reread_at = swap_reread.read_step(ctx, total_steps)  # method.swap_reread_at
     progress = progress_bar(config, total_steps, global_step)
     logger = _Logger(ctx, writer, ckpt, workdir, progress)
     try:
@@ -281,6 +283,19 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
                 )
                 if record is not None:
                     writer.write(global_step, {"phase": phase, **record})
+                if global_step == reread_at:  # the swap groups chosen again
+                    frozen, record = swap_reread.reread(
+                        ctx,
+                        evaluator,
+                        workdir,
+                        state.trainable,
+                        frozen,
+                        phase,
+                        global_step,
+                    )
+                    frozen = parallel.replicate(frozen, ctx.mesh)
+                    writer.write(global_step, record)
+                    logger.start = time.time()  # throughput excludes the read
                 if (
                     not ahead_asked
                     and pi + 1 < len(phases)
@@ -383,6 +398,9 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
         results["swap_groups"] = swap_group_text(config, ctx.swap_groups)
     if getattr(ctx, "swap_reads", None):  # config.method.swap_target
         results["swap_reads"] = ctx.swap_reads
+    if reread_at is not None:  # config.method.swap_reread_at
+        saved = json.loads((workdir / swap_reread.FILE).read_text())
+        results["swap_reread"] = swap_reread.summary(saved)
     if getattr(ctx, "objective_choice", None):  # config.method.objective "auto"
         results["objective_choice"] = ctx.objective_choice
     results["train_wall_time_s"] = time.time() - wall_start

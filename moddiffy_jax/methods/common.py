@@ -756,8 +756,11 @@ def make_debias_loss(
             # The batch's twin with the attribute's counterpart tokens
             # swapped, under the same params and dropout masks.
             ids = batch["input_ids"]
-            swapped = swap[ids]
+            # The step's own tables where it has them (methods/swap_reread.py).
+            inputs = frozen.get("swap_tables", {})
+            swapped = inputs.get(attribute, swap)[ids]
             for other, table in other_swaps.items():
+                table = inputs.get(other, table)
                 swapped = jnp.where(present[other], table[swapped], swapped)
             h_swapped = represent({**batch, "input_ids": swapped})
             if not debias.swap_twin_gradient:

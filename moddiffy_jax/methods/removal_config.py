@@ -135,6 +135,14 @@ def config_fields() -> ml_collections.ConfigDict:
     # task all the words are worth; docs/efficacy.md, "Stop 39").
     f.swap_target = 0.0
     f.swap_max_drop = 2.5
+    # > 0 (with swap_target > 0): at this share of the run's steps, read each
+    # attribute's trained diff on the dev split (task accuracy; a fresh
+    # linear probe fit on the first swap_reread_train training rows), scale
+    # the prefix reads to it and choose the groups again, within
+    # swap_reread_max_drop points (methods/swap_reread.py). 0: off.
+    f.swap_reread_at = 0.0
+    f.swap_reread_max_drop = 1.5
+    f.swap_reread_train = 1000
     # True: the twins may differ along the directions that move the task
     # head's decision and nowhere else (the words could keep what they tell
     # the task). Measured on the main job: no effect (the twins' difference

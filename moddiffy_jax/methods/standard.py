@@ -78,6 +78,11 @@ def init(ctx, rng: jax.Array) -> tuple[dict, dict]:
                 trainable["diffs"][attr], tokens
             )
     trainable.update(removal_parts(ctx, r_adv))
+    if getattr(ctx, "swap_tables", None) and method.debias == "modular":
+        # Step inputs, not constants: methods/swap_reread.py may change them.
+        from moddiffy_jax.methods import swap_reread
+
+        frozen[swap_reread.FROZEN_KEY] = swap_reread.frozen_tables(ctx)
     return trainable, frozen
 
 

@@ -225,3 +225,25 @@ def choose_groups(
         reads=tuple(reads),
         reason=reason,
     )
+
+
+def calibrated(
+    reads: Sequence[PrefixRead], chosen: int, closed: float, cost: float
+) -> list[PrefixRead]:
+    """The prefix reads scaled to what a trained diff on the first
+    ``chosen`` groups was measured to remove (``closed``, share of the gap)
+    and cost (``cost``, task points): every read's closure times the ratio
+    of the measured closure to the read's at ``chosen``, every cost plus
+    their difference (methods/swap_reread.py). A read at ``chosen`` that
+    closes nothing keeps the closures as they are."""
+    at = reads[chosen]
+    ratio = closed / at.closed if at.closed > 0.05 else 1.0
+    shift = cost - at.cost
+    return [
+        dataclasses.replace(
+            r,
+            closed=round(r.closed * ratio, 3),
+            cost=round(r.cost + shift, 2) if r.groups else 0.0,
+        )
+        for r in reads
+    ]

@@ -1,0 +1,226 @@
+"""Choosing each attribute's swap groups again from its own trained diff.
+
+methods/swap_budget.py chooses an attribute's counterpart groups before
+training, from a bag-of-tokens read of each prefix of its groups. The
+trained diffs do not follow that read one to one (docs/efficacy.md, "Stop
+42": MoDDiffy-par's gender diffs removed 0.96-1.33 times what the read of
+their prefix promised, the age diffs 0.63-0.93 times, at costs from 1.5
+points under the read's to 0.6 over).
+
+With ``method.swap_reread_at`` > 0, at that share of the run's steps the
+training loop reads each attribute's diff on the dev split: its task
+accuracy against the core's, and the balanced accuracy of a fresh
+class-balanced linear probe (fit on the first ``swap_reread_train`` training
+rows) against the core's and the floor. The prefix reads are scaled to
+that measurement (:func:`swap_budget.calibrated`) and the groups chosen
+again on them (:func:`swap_budget.choose_count`, ``swap_target`` within
+``swap_reread_max_drop`` points). The rest of the run swaps the new groups:
+the tables are inputs of the train step (``frozen["swap_tables"]``), so no
+step compiles again.
+
+The choice is written to ``swap_reread.json`` in the run directory before
+the next step. A run resumed at or past that step swaps what was chosen; one
+resumed before it reads again at the same step (the read is deterministic,
+and the file is then rewritten with the same choice).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moddiffy_jax import objectives
+from moddiffy_jax.eval.removal import fresh_linear_leakage
+from moddiffy_jax.methods import swap_budget
+
+FILE = "swap_reread.json"
+FROZEN_KEY = "swap_tables"
+
+
+def check_config(method_cfg) -> None:
+    """A ValueError naming the field when the re-read settings are invalid."""
+    at = float(method_cfg.get("swap_reread_at", 0.0))
+    if not 0.0 <= at < 1.0:
+        raise ValueError(
+            "config.method.swap_reread_at is the share of the run's steps at "
+            f"which the swap groups are chosen again, in [0, 1) (0: off); got {at}."
+        )
+    if not float(method_cfg.get("swap_reread_max_drop", 1.5)) >= 0.0:
+        raise ValueError(
+            "config.method.swap_reread_max_drop must be >= 0 task points, got "
+            f"{method_cfg.swap_reread_max_drop}."
+        )
+    if int(method_cfg.get("swap_reread_train", 1000)) < 10:
+        raise ValueError(
+            "config.method.swap_reread_train (training rows the re-read's probe "
+            f"is fit on) must be at least 10, got {method_cfg.swap_reread_train}."
+        )
+
+
+def read_step(ctx, total_steps: int) -> int | None:
+    """The global step after which the groups are chosen again; None when
+    the re-read is off or there is nothing to re-read (no prefix reads: the
+    swaps are off, ``swap_target`` is 0, or ``auto`` chose another
+    objective)."""
+    at = float(ctx.config.method.get("swap_reread_at", 0.0))
+    if at <= 0.0 or not getattr(ctx, "swap_reads", None):
+        return None
+    if not getattr(ctx, "swap_ranked", None):
+        return None
+    return int(min(max(round(at * total_steps), 1), max(total_steps - 1, 1)))
+
+
+def frozen_tables(ctx) -> dict[str, jax.Array]:
+    """The swap tables as step inputs (``frozen["swap_tables"]``)."""
+    return {
+        a: jnp.asarray(np.asarray(t, np.int32))
+        for a, t in (getattr(ctx, "swap_tables", None) or {}).items()
+    }
+
+
+def _first_rows(split, n: int):
+    """The first ``n`` rows of a TokenizedSplit."""
+    if n >= len(split):
+        return split
+    rows = {
+        f.name: getattr(split, f.name)[:n]
+        for f in dataclasses.fields(split)
+        if f.name not in ("attrs", "extras")
+    }
+    attrs = {a: v[:n] for a, v in split.attrs.items()}
+    extras = {k: v[:n] for k, v in split.extras.items()}
+    return type(split)(**rows, attrs=attrs, extras=extras)
+
+
+def measure(ctx, evaluator, trainable, frozen, phase: str) -> dict[str, dict]:
+    """Per attribute with swaps: dev task accuracy and probe leakage of the
+    core and of core + that attribute's diff, the floor, the share of the
+    gap closed and the cost in task points."""
+    core, head = ctx.method.model(ctx, trainable, frozen)
+    sparse = ctx.method.exports(ctx, trainable, frozen, phase)
+    train = _first_rows(
+        ctx.data.splits["train"], int(ctx.config.method.swap_reread_train)
+    )
+    dev = ctx.data.splits["dev"]
+
+    def read(params):
+        acc, h_dev = evaluator.accuracy_and_reps(params, head, "dev")
+        return acc, {
+            "train": evaluator.forward.represent_split(params, train),
+            "dev": h_dev,
+        }
+
+    def leak(reps, attr):
+        return fresh_linear_leakage(
+            reps,
+            {"train": train.attrs[attr], "dev": dev.attrs[attr]},
+            num_classes=len(ctx.data.attr_classes[attr]),
+        )
+
+    core_acc, core_reps = read(core)
+    out = {}
+    for attr in ctx.swap_reads:
+        acc, reps = read(evaluator.compose(core, [sparse[attr]]))
+        floor = float(ctx.swap_reads[attr]["floor"])
+        core_leak, leakage = leak(core_reps, attr), leak(reps, attr)
+        gap = core_leak - floor
+        out[attr] = {
+            "core_task_accuracy": round(core_acc, 4),
+            "task_accuracy": round(acc, 4),
+            "core_leakage": round(core_leak, 4),
+            "leakage": round(leakage, 4),
+            "floor": round(floor, 4),
+            "closed": round((core_leak - leakage) / gap, 3) if gap > 0 else 0.0,
+            "cost": round(100.0 * (core_acc - acc), 2),
+        }
+    return out
+
+
+def choose(ctx, measured: dict[str, dict]) -> dict[str, dict]:
+    """Per attribute: the groups chosen again on the reads calibrated to
+    ``measured`` (:func:`measure`), with the reads and the reason."""
+    target = float(ctx.config.method.swap_target)
+    max_drop = float(ctx.config.method.swap_reread_max_drop)
+    out = {}
+    for attr, m in measured.items():
+        record = ctx.swap_reads[attr]
+        reads = [swap_budget.PrefixRead(**r) for r in record["reads"]]
+        before = len(ctx.swap_groups[attr])
+        scaled = swap_budget.calibrated(reads, before, m["closed"], m["cost"])
+        after, reason = swap_budget.choose_count(scaled, target, max_drop)
+        out[attr] = {
+            "groups_before": before,
+            "groups_after": int(after),
+            "reason": reason,
+            "target": target,
+            "max_drop": max_drop,
+            "measured": m,
+            "calibrated": [dataclasses.asdict(r) for r in scaled],
+        }
+    return out
+
+
+def apply(ctx, chosen: dict[str, dict], frozen: dict) -> dict:
+    """Sets ``ctx``'s swap groups and tables to ``chosen``'s counts (in
+    place) and returns ``frozen`` with the new tables."""
+    table = next(iter(ctx.swap_tables.values()))
+    for attr, c in chosen.items():
+        groups = ctx.swap_ranked[attr][: c["groups_after"]]
+        ctx.swap_groups[attr] = groups
+        ctx.swap_tables[attr] = objectives.swap_table(groups, table.shape[0])
+    if FROZEN_KEY not in frozen:
+        return frozen
+    return {**frozen, FROZEN_KEY: frozen_tables(ctx)}
+
+
+def reread(ctx, evaluator, workdir, trainable, frozen, phase: str, step: int):
+    """Reads, chooses and applies (:func:`measure`, :func:`choose`,
+    :func:`apply`); writes ``swap_reread.json``. Returns the new frozen
+    inputs and a metrics record."""
+    from moddiffy_jax import checkpoints
+
+    trainable, frozen = jax.device_get((trainable, frozen))
+    chosen = choose(ctx, measure(ctx, evaluator, trainable, frozen, phase))
+    if jax.process_index() == 0:
+        checkpoints.write_json_atomic(
+            pathlib.Path(workdir) / FILE, {"step": step, "attributes": chosen}
+        )
+    record = {"phase": phase}
+    for attr, c in chosen.items():
+        record[f"swap_reread/{attr}/groups"] = c["groups_after"]
+        record[f"swap_reread/{attr}/dev_closed"] = c["measured"]["closed"]
+        record[f"swap_reread/{attr}/dev_cost"] = c["measured"]["cost"]
+    return apply(ctx, chosen, frozen), record
+
+
+def resume(ctx, workdir, resumed_step: int, frozen: dict) -> tuple[dict | None, dict]:
+    """On a resumed run: the saved choice applied to ``ctx`` and ``frozen``
+    when the run resumes at or past its step; ``(None, frozen)`` (the file
+    left to be rewritten) when it resumes before it or there is none."""
+    path = pathlib.Path(workdir) / FILE
+    if not path.exists():
+        return None, frozen
+    saved = json.loads(path.read_text())
+    if resumed_step < int(saved["step"]):
+        return None, frozen
+    return saved, apply(ctx, saved["attributes"], frozen)
+
+
+def summary(saved: dict) -> dict[str, Any]:
+    """What the results keep of a re-read: the step and, per attribute, the
+    groups before and after, the reason and the measurement."""
+    return {
+        "step": saved["step"],
+        **{
+            a: {
+                k: c[k] for k in ("groups_before", "groups_after", "reason", "measured")
+            }
+            for a, c in saved["attributes"].items()
+        },
+    }

@@ -1,0 +1,138 @@
+"""methods/swap_reread.py: the swap groups chosen again from the trained
+diffs' own read, with the tables as inputs of the train step."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from moddiffy_jax import objectives, train
+from moddiffy_jax.eval.evaluator import Evaluator
+from moddiffy_jax.methods import common, swap_budget, swap_reread
+from tests.helpers import tiny
+from tests.test_substeps import _first_step
+
+SWAPS = {"method.swap_weight": 1.0, "data.synthetic.num_train": 2000}
+
+
+def _reads():
+    return [
+        swap_budget.PrefixRead(k, 0.9, 0.9, cost, closed)
+        for k, cost, closed in [(0, 0, 0), (1, 0.5, 0.3), (2, 1.5, 0.6), (3, 2.5, 0.9)]
+    ]
+
+
+def test_the_reads_are_scaled_to_the_trained_diff():
+    # Two groups were read to close 0.6 at 1.5 points; the diff closed 0.9
+    # at 2.5: every closure times 1.5, every cost one point more.
+    scaled = swap_budget.calibrated(_reads(), 2, closed=0.9, cost=2.5)
+    assert [r.closed for r in scaled] == [0.0, 0.45, 0.9, 1.35]
+    assert [r.cost for r in scaled] == [0.0, 1.5, 2.5, 3.5]
+    # Past the target at a cost over the budget: one group fewer.
+    assert swap_budget.choose_count(scaled, 0.75, 2.0) == (1, "budget")
+    # A diff that removed less than read, at less cost: more groups.
+    scaled = swap_budget.calibrated(_reads(), 1, closed=0.15, cost=0.0)
+    assert [r.closed for r in scaled] == [0.0, 0.15, 0.3, 0.45]
+    assert [r.cost for r in scaled] == [0.0, 0.0, 1.0, 2.0]
+    assert swap_budget.choose_count(scaled, 0.3, 2.0) == (2, "target")
+    # A read that closes nothing cannot be scaled: closures as read.
+    reads = [swap_budget.PrefixRead(k, 0.9, 0.9, k, 0.0) for k in range(3)]
+    assert [r.closed for r in swap_budget.calibrated(reads, 1, 0.5, 1.0)] == [0.0] * 3
+
+
+def test_the_debias_step_reads_its_swap_table_from_the_step_inputs():
+    """The tables are inputs of the step (frozen["swap_tables"]): another
+    table changes the swap term without tracing the loss again."""
+    ctx, _, state, frozen, batch = _first_step("moddiffy_par", **SWAPS)
+    table = ctx.swap_tables["gender"]
+    np.testing.assert_array_equal(frozen[swap_reread.FROZEN_KEY]["gender"], table)
+    traces = []
+    raw = common.make_debias_loss(
+        ctx.model,
+        ctx.method,
+        "gender",
+        phase="l0",
+        diff_settings=ctx.diff_settings,
+        debias=ctx.debias,
+        swap_table=table,
+    )
+
+    def counted(*args):
+        traces.append(1)
+        return raw(*args)
+
+    loss = jax.jit(counted)
+    values = {}
+    for name, tables in (("own", frozen["swap_tables"]), ("identity", None)):
+        if tables is None:
+            tables = {
+                a: np.arange(t.size, dtype=np.int32) for a, t in ctx.swap_tables.items()
+            }
+        inputs = {**frozen, swap_reread.FROZEN_KEY: tables}
+        _, terms = loss(state.trainable, inputs, batch, jax.random.PRNGKey(1))
+        values[name] = float(terms["swap/gender"])
+    assert values["own"] > 0.0 and values["identity"] == 0.0
+    assert len(traces) == 1
+
+
+def test_the_groups_are_chosen_again_written_and_restored_on_resume(tmp_path):
+    overrides = {**SWAPS, "method.swap_target": 0.5, "method.swap_reread_at": 0.5}
+    ctx = train.build_context(tiny("moddiffy_par", **overrides))
+    assert swap_reread.read_step(ctx, 10) == 5
+    trainable, frozen = ctx.method.init(ctx, jax.random.PRNGKey(0))
+    before = {a: len(g) for a, g in ctx.swap_groups.items()}
+    new_frozen, record = swap_reread.reread(
+        ctx, Evaluator(ctx), tmp_path, trainable, frozen, "l0", step=5
+    )
+    saved = json.loads((tmp_path / swap_reread.FILE).read_text())
+    assert saved["step"] == 5 and set(saved["attributes"]) == {"gender", "age"}
+    vocab = ctx.swap_tables["gender"].size
+    for attr, chosen in saved["attributes"].items():
+        m = chosen["measured"]
+        # Fresh diffs are zero: core + diff reads as the core.
+        assert m["closed"] == 0.0 and m["cost"] == 0.0
+        assert m["leakage"] == m["core_leakage"] and m["floor"] > 0.0
+        assert chosen["groups_before"] == before[attr]
+        n = chosen["groups_after"]
+        assert record[f"swap_reread/{attr}/groups"] == n
+        assert len(ctx.swap_groups[attr]) == n
+        want = objectives.swap_table(ctx.swap_ranked[attr][:n], vocab)
+        np.testing.assert_array_equal(ctx.swap_tables[attr], want)
+        np.testing.assert_array_equal(new_frozen[swap_reread.FROZEN_KEY][attr], want)
+    assert any(c["groups_after"] != before[a] for a, c in saved["attributes"].items())
+    # A run resumed before the read's step swaps the first choice (and reads
+    # again at the step); at or past it, the saved one.
+    for step, same_as_saved in ((4, False), (5, True)):
+        again = train.build_context(tiny("moddiffy_par", **overrides))
+        _, fresh = again.method.init(again, jax.random.PRNGKey(0))
+        got, inputs = swap_reread.resume(again, tmp_path, step, fresh)
+        assert (got is not None) == same_as_saved
+        for attr, chosen in saved["attributes"].items():
+            n = chosen["groups_after"] if same_as_saved else before[attr]
+            assert len(again.swap_groups[attr]) == n
+            np.testing.assert_array_equal(
+                inputs[swap_reread.FROZEN_KEY][attr], again.swap_tables[attr]
+            )
+
+
+def test_the_reread_is_off_without_prefix_reads():
+    ctx = train.build_context(
+        tiny("moddiffy_par", **SWAPS, **{"method.swap_reread_at": 0.5})
+    )
+    assert ctx.swap_reads is None and swap_reread.read_step(ctx, 10) is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"method.swap_reread_at": 1.0}, "swap_reread_at is the share"),
+        ({"method.swap_reread_max_drop": -1.0}, "swap_reread_max_drop must be"),
+        ({"method.swap_reread_train": 3}, "swap_reread_train"),
+    ],
+)
+def test_bad_reread_settings_name_the_fix(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        train.build_context(tiny("moddiffy_par", **overrides))
