@@ -140,6 +140,8 @@ def config_fields() -> ml_collections.ConfigDict:
     # linear probe fit on the first swap_reread_train training rows), scale
     # the prefix reads to it and choose the groups again, within
     # swap_reread_max_drop points (methods/swap_reread.py). 0: off.
+    # Measured at 0.5 on three main-job runs (docs/efficacy.md, "Stop 43"):
+    # fewer groups, less removal, mostly no less task cost; off by default.
     f.swap_reread_at = 0.0
     f.swap_reread_max_drop = 1.5
     f.swap_reread_train = 1000
