@@ -11,9 +11,10 @@ import pytest
 
 from moddiffy_jax import objectives, train
 from moddiffy_jax.eval.evaluator import Evaluator
-from moddiffy_jax.methods import common, swap_budget, swap_reread
+from moddiffy_jax.methods import swap_budget, swap_reread
 from moddiffy_jax.subnets import diffs as diffs_lib
 from tests.helpers import tiny
+from tests.test_counterfactual import _gender_loss
 from tests.test_substeps import _first_step
 
 SWAPS = {"method.swap_weight": 1.0, "data.synthetic.num_train": 2000}
@@ -51,15 +52,7 @@ def test_the_debias_step_reads_its_swap_table_from_the_step_inputs():
     table = ctx.swap_tables["gender"]
     np.testing.assert_array_equal(frozen[swap_reread.FROZEN_KEY]["gender"], table)
     traces = []
-    raw = common.make_debias_loss(
-        ctx.model,
-        ctx.method,
-        "gender",
-        phase="l0",
-        diff_settings=ctx.diff_settings,
-        debias=ctx.debias,
-        swap_table=table,
-    )
+    raw = _gender_loss(ctx, table)
 
     def counted(*args):
         traces.append(1)
