@@ -61,7 +61,6 @@ _LONG_MODULES = (
     "test_srnets.py",
     "test_evaluate.py",
     "test_training_habits.py",
-    "test_swap_reread.py",
     "test_notebook.py",
     "test_erasure.py",
     "test_readme.py",

@@ -12,7 +12,6 @@ import pytest
 from moddiffy_jax import objectives, train
 from moddiffy_jax.eval.evaluator import Evaluator
 from moddiffy_jax.methods import swap_budget, swap_reread
-from moddiffy_jax.subnets import diffs as diffs_lib
 from tests.helpers import tiny
 from tests.test_counterfactual import _gender_loss
 from tests.test_substeps import _first_step
@@ -130,45 +129,3 @@ def test_the_reread_is_off_without_prefix_reads():
 def test_bad_reread_settings_name_the_fix(overrides, message):
     with pytest.raises(ValueError, match=message):
         train.build_context(tiny("moddiffy_par", **overrides))
-
-
-def test_a_run_resumed_around_the_reread_ends_as_the_uninterrupted_one(tmp_path):
-    """The tiny run with the re-read at step 4 of 7, uninterrupted and
-    preempted at step 5 (after the read; a run resumed before it reads
-    again, the resume test above): the same choice and the same exported
-    diffs, bit for bit."""
-    from moddiffy_jax import checkpoints
-
-    def config(**more):
-        return tiny(
-            "moddiffy_par",
-            **SWAPS,
-            **{
-                "method.swap_target": 0.5,
-                "method.swap_reread_at": 0.5,
-                "eval.leakage": False,
-                "train.checkpoint_every": 1,
-                **more,
-            },
-        )
-
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    results = train.train_and_evaluate(config(), full)
-    assert results["swap_reread"]["step"] == 4
-    with pytest.raises(train.Preempted):
-        train.train_and_evaluate(config(**{"train.stop_at_step": 5}), resumed)
-    assert json.loads((resumed / swap_reread.FILE).read_text())["step"] == 4
-    again = train.train_and_evaluate(config(), resumed)
-    assert again["swap_reread"] == results["swap_reread"]
-    assert again["swap_groups"] == results["swap_groups"]
-    for name in ("gender", "age"):
-        path = f"export/diffs/{name}.safetensors"
-        a = diffs_lib.load_sparse_diff(full / path)
-        b = diffs_lib.load_sparse_diff(resumed / path)
-        for p in a.indices:
-            np.testing.assert_array_equal(a.indices[p], b.indices[p])
-            np.testing.assert_array_equal(a.values[p], b.values[p])
-    core_a, _ = checkpoints.load_params(full / "export" / "core.safetensors")
-    core_b, _ = checkpoints.load_params(resumed / "export" / "core.safetensors")
-    for x, y in zip(jax.tree.leaves(core_a), jax.tree.leaves(core_b), strict=True):
-        np.testing.assert_array_equal(x, y)
