@@ -18,7 +18,10 @@ def _batch(key, shift, n=32):
     return h.at[:, 0].add(shift * labels), labels
 
 
+@jax.jit
 def _loss(h, labels, state, decay=0.9):
+    """The term on one batch, compiled (op by op the loops below take tens of
+    seconds)."""
     pairs = objectives.pair_weights(labels, [jnp.ones(h.shape[0])], 2)
     return objectives.fisher_loss(
         h,
@@ -71,8 +74,9 @@ def test_the_minimum_is_where_the_batch_groups_agree():
     def loss_at(s):
         return _loss(h + s * labels[:, None], labels, state)[0]
 
+    step = jax.jit(jax.grad(loss_at))
     for _ in range(300):
-        shift = shift - 0.5 * jax.grad(loss_at)(shift)
+        shift = shift - 0.5 * step(shift)
     moved = h + shift * labels[:, None]
     gap = jnp.mean(moved[labels == 1], 0) - jnp.mean(moved[labels == 0], 0)
     assert abs(float(gap[0])) < 0.2, gap[0]
@@ -281,18 +285,23 @@ def test_erased_targets_remove_what_a_linear_probe_reads_and_keep_the_task():
     p = start_p
     opt = optax.adam(1e-2)
     opt_state = opt.init(p)
-    for i in range(300):
-        start = (i * 32) % 2000
-        x, task, labels = (a[start : start + 32] for a in train_set)
+
+    @jax.jit  # one program for the 300 steps (op by op: tens of seconds)
+    def step(p, opt_state, state, x, task, labels):
         state = objectives.update_cell_means(state, x, task, labels, decay=0.9)
 
-        def loss(p_, x=x, task=task, labels=labels, state=state):
+        def loss(p_):
             return objectives.erased_target_loss(
                 moved(p_, x), x, task, labels, state, white=jnp.eye(DIM)
             )
 
         updates, opt_state = opt.update(jax.grad(loss)(p), opt_state)
-        p = optax.apply_updates(p, updates)
+        return optax.apply_updates(p, updates), opt_state, state
+
+    for i in range(300):
+        start = (i * 32) % 2000
+        batch = (a[start : start + 32] for a in train_set)
+        p, opt_state, state = step(p, opt_state, state, *batch)
     before = probe(start_p, train_set, test_set)
     after = probe(p, train_set, test_set)
     assert before > floor + 0.1, (before, floor)

@@ -81,8 +81,11 @@ def _plant_gender(core_dir):
     manifest.write_manifest(path.parent, fingerprint=sparse_diff.fingerprint(core))
 
 
-def _planted_core(tmp_path):
-    """A tiny finetune core in ``tmp_path / "core"``, gender planted."""
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """A tiny finetune core, gender planted (shared by this module's tests);
+    its run directory."""
+    tmp_path = tmp_path_factory.mktemp("planted")
     core_cfg = experiment_config("finetune", "model=tiny")
     core_cfg.unlock()
     _data(core_cfg)
@@ -91,14 +94,15 @@ def _planted_core(tmp_path):
     core_cfg.lock()
     train.train_and_evaluate(core_cfg, tmp_path / "core")
     _plant_gender(tmp_path / "core")
+    return tmp_path / "core"
 
 
-def _train_diff(tmp_path, name, **method_overrides):
-    """MoDDiffy-post on the planted core; the diff's run directory."""
+def _train_diff(core, tmp_path, name, **method_overrides):
+    """MoDDiffy-post on the planted ``core`` into ``tmp_path / name``; its config."""
     config = experiment_config("moddiffy_post", "model=tiny")
     config.unlock()
     _data(config)
-    config.method.core_run = str(tmp_path / "core")
+    config.method.core_run = str(core)
     config.train.l0_steps = 80
     config.train.fixmask_steps = 20
     config.optim.lr_diff = 1e-3
@@ -157,9 +161,8 @@ def _leakage(config, run_dirs):
         "until this marker is removed."
     ),
 )
-def test_diff_removes_planted_attribute(tmp_path):
-    _planted_core(tmp_path)
-    config = _train_diff(tmp_path, "removal")
+def test_diff_removes_planted_attribute(planted, tmp_path):
+    config = _train_diff(planted, tmp_path, "removal")
     leak, acc, floor = _leakage(config, {"removal": tmp_path / "removal"})
     report = {"leak": leak, "acc": acc, "floor": floor}
     assert leak["core"] - floor > 0.12, report  # planted: something to remove
@@ -171,7 +174,12 @@ def test_diff_removes_planted_attribute(tmp_path):
     # moves the representation (on this core it moves the planted direction
     # a lot); removal is what the terms add to that.
     _train_diff(
-        tmp_path, "control", mmd_weight=0.0, fisher_weight=0.0, target_weight=0.0
+        planted,
+        tmp_path,
+        "control",
+        mmd_weight=0.0,
+        fisher_weight=0.0,
+        target_weight=0.0,
     )
     control, _, _ = _leakage(config, {"control": tmp_path / "control"})
     report["leak"]["control"] = control["control"]
@@ -180,18 +188,22 @@ def test_diff_removes_planted_attribute(tmp_path):
     assert leak["removal"] < control["control"] - 0.1, report
 
 
-def test_a_swap_diff_removes_the_planted_attribute(tmp_path):
+def test_a_swap_diff_removes_the_planted_attribute(planted, tmp_path):
     """The counterfactual swaps (config.method.swap_weight; objectives/
     counterfactual.py) on the same planted core: the diff, trained with the
     swap term alone, takes a fresh linear probe most of the way from the
     core to the floor and well below the control (the same training without
     any removal term), with the task kept."""
-    _planted_core(tmp_path)
     config = _train_diff(
-        tmp_path, "swap", swap_weight=10.0, mmd_weight=0.0, fisher_weight=0.0
+        planted, tmp_path, "swap", swap_weight=10.0, mmd_weight=0.0, fisher_weight=0.0
     )
     _train_diff(
-        tmp_path, "control", mmd_weight=0.0, fisher_weight=0.0, target_weight=0.0
+        planted,
+        tmp_path,
+        "control",
+        mmd_weight=0.0,
+        fisher_weight=0.0,
+        target_weight=0.0,
     )
     leak, acc, floor = _leakage(
         config, {"swap": tmp_path / "swap", "control": tmp_path / "control"}
