@@ -113,6 +113,14 @@ def _train_diff(core, tmp_path, name, **method_overrides):
     return config
 
 
+def _train_control(core, tmp_path):
+    """The same diff training without any removal term, in ``tmp_path /
+    "control"``."""
+    _train_diff(
+        core, tmp_path, "control", mmd_weight=0.0, fisher_weight=0.0, target_weight=0.0
+    )
+
+
 def _leakage(config, run_dirs):
     """Test leakage of a fresh linear probe and task accuracy of the core
     and of core+gender for each run in ``run_dirs``, and the floor."""
@@ -173,14 +181,7 @@ def test_diff_removes_planted_attribute(planted, tmp_path):
     # same diff training without any removal term. Any training of a diff
     # moves the representation (on this core it moves the planted direction
     # a lot); removal is what the terms add to that.
-    _train_diff(
-        planted,
-        tmp_path,
-        "control",
-        mmd_weight=0.0,
-        fisher_weight=0.0,
-        target_weight=0.0,
-    )
+    _train_control(planted, tmp_path)
     control, _, _ = _leakage(config, {"control": tmp_path / "control"})
     report["leak"]["control"] = control["control"]
     # Well beyond what training a diff at all does (a margin above the
@@ -197,14 +198,7 @@ def test_a_swap_diff_removes_the_planted_attribute(planted, tmp_path):
     config = _train_diff(
         planted, tmp_path, "swap", swap_weight=10.0, mmd_weight=0.0, fisher_weight=0.0
     )
-    _train_diff(
-        planted,
-        tmp_path,
-        "control",
-        mmd_weight=0.0,
-        fisher_weight=0.0,
-        target_weight=0.0,
-    )
+    _train_control(planted, tmp_path)
     leak, acc, floor = _leakage(
         config, {"swap": tmp_path / "swap", "control": tmp_path / "control"}
     )
