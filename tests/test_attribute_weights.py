@@ -54,6 +54,7 @@ def test_the_table_is_read_per_attribute_and_resolved_for_each():
         ("age mmd_weight=1", "is not of the form"),
         ("age: mmd_weight", "is not field=value"),
         ("age: mmd_weight=1; age: fisher_weight=2", "given twice"),
+        ("age: swap_keep_task=maybe", "swap_keep_task='maybe' must be true or false"),
     ],
 )
 def test_a_bad_table_names_the_entry(text, message):
@@ -113,3 +114,52 @@ def test_each_attribute_trains_with_its_own_weights():
     assert "debias/gender/fisher/gender" in on
     assert np.any(np.asarray(new.trainable[removal.FISHER_STATS]["age"]["diff"]))
     assert not np.any(np.asarray(new.trainable[removal.FISHER_STATS]["gender"]["diff"]))
+
+
+def test_the_swap_term_and_the_task_distill_are_set_per_attribute():
+    """``gender: swap_keep_task=true, task_distill=2``: gender's debias loss
+    is the one of the shared switch and weight, age's the plain swaps' (no
+    distillation, the whole twin distance)."""
+    import dataclasses
+
+    from tests.test_counterfactual import _own_tables
+
+    ctx, _, state, frozen, batch = _first_step(
+        "moddiffy_par",
+        **{
+            "method.swap_weight": 1.0,
+            "method.attribute_weights": "gender: swap_keep_task=true, task_distill=2",
+        },
+    )
+    own = ctx.debias.attribute_weights
+    assert own == {"gender": {"swap_keep_task": True, "task_distill": 2.0}}
+    assert attribute_weights.for_attribute(ctx.debias, "gender").swap_keep_task
+    assert not attribute_weights.for_attribute(ctx.debias, "age").swap_keep_task
+    plain = dataclasses.replace(ctx.debias, attribute_weights={})
+    shared = dataclasses.replace(plain, swap_keep_task=True, task_distill=2.0)
+
+    def terms(attribute, debias):
+        loss = common.make_debias_loss(
+            ctx.model,
+            ctx.method,
+            attribute,
+            phase="l0",
+            diff_settings=ctx.diff_settings,
+            debias=debias,
+            swap_table=ctx.swap_tables[attribute],
+        )
+        _, out = loss(
+            state.trainable, _own_tables(frozen), batch, jax.random.PRNGKey(1)
+        )
+        return {k: float(v) for k, v in out.items() if not isinstance(v, dict)}
+
+    mixed_gender, shared_gender = terms("gender", ctx.debias), terms("gender", shared)
+    assert mixed_gender.keys() == shared_gender.keys() and "distill" in mixed_gender
+    for k in shared_gender:
+        np.testing.assert_allclose(mixed_gender[k], shared_gender[k], rtol=1e-6)
+    # Keeping the decision changes the gender twin distance (the switch is read).
+    assert terms("gender", plain)["swap/gender"] > mixed_gender["swap/gender"]
+    mixed_age, plain_age = terms("age", ctx.debias), terms("age", plain)
+    assert "distill" not in mixed_age and mixed_age.keys() == plain_age.keys()
+    for k in plain_age:
+        np.testing.assert_allclose(mixed_age[k], plain_age[k], rtol=1e-6)

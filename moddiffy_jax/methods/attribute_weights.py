@@ -2,7 +2,8 @@
 
 ``"age: fisher_weight=100, mmd_weight=5; gender: mmd_weight=3"`` gives each
 named attribute its own weights of the removal terms in place of the shared
-ones of :class:`removal.DebiasSettings`: :func:`parse_attribute_weights`
+ones of :class:`removal.DebiasSettings` (and ``"gender: swap_keep_task=true,
+task_distill=3"`` its own form of the swap term): :func:`parse_attribute_weights`
 reads the text (naming every bad entry), :func:`for_attribute` resolves the
 settings one attribute's terms read, :func:`uses_weight` says whether any
 attribute needs a term's running statistics.
@@ -22,7 +23,11 @@ ATTRIBUTE_WEIGHTS = (
     "target_weight",
     "adv_lambda",
     "swap_weight",
+    "task_distill",
 )
+#: The on/off settings it can set per attribute (true / false, or 1 / 0).
+ATTRIBUTE_SWITCHES = ("swap_keep_task",)
+_SWITCH_VALUES = {"true": True, "1": True, "false": False, "0": False}
 
 
 def for_attribute(settings: Any, attribute: str) -> Any:
@@ -48,8 +53,8 @@ def parse_attribute_weights(
     """``"age: fisher_weight=100, mmd_weight=5; gender: mmd_weight=3"`` as
     ``{"age": {"fisher_weight": 100.0, "mmd_weight": 5.0}, "gender": ...}``.
     A malformed entry, an attribute the run does not debias, a field that is
-    not a per-attribute weight or a negative weight raises a ``ValueError``
-    naming it."""
+    not a per-attribute weight, a negative weight or a switch that is not
+    true / false raises a ``ValueError`` naming it."""
     out: dict[str, dict[str, float]] = {}
     where = "config.method.attribute_weights"
     form = "'attribute: field=value, field=value; attribute: ...'"
@@ -70,10 +75,19 @@ def parse_attribute_weights(
             field, sep, value = (x.strip() for x in item.partition("="))
             if not sep:
                 raise ValueError(f"{where}: {item!r} is not field=value ({form}).")
+            if field in ATTRIBUTE_SWITCHES:
+                switch = _SWITCH_VALUES.get(value.lower())
+                if switch is None:
+                    raise ValueError(
+                        f"{where}: {attribute}'s {field}={value!r} must be true or "
+                        "false."
+                    )
+                own[field] = switch
+                continue
             if field not in ATTRIBUTE_WEIGHTS:
                 raise ValueError(
                     f"{where}: {field!r} cannot be set per attribute; one of "
-                    f"{ATTRIBUTE_WEIGHTS}."
+                    f"{ATTRIBUTE_WEIGHTS + ATTRIBUTE_SWITCHES}."
                 )
             try:
                 weight = float(value)

@@ -669,7 +669,8 @@ def make_debias_loss(
     to give back what theirs removed.
     """
     swap = None
-    swap_weight = attribute_weights.for_attribute(debias, attribute).swap_weight
+    own = attribute_weights.for_attribute(debias, attribute)
+    swap_weight = own.swap_weight
     if swap_table is not None and swap_weight > 0.0:
         swap = jnp.asarray(np.asarray(swap_table, np.int32))
     other_swaps = {
@@ -718,13 +719,13 @@ def make_debias_loss(
             phase=phase,
             settings=diff_settings,
         )
-        if debias.task_distill > 0.0:
+        if own.task_distill > 0.0:
             teacher = core_prediction()
             student = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
             kl = jnp.sum(jnp.exp(teacher) * (teacher - student), -1)
-            terms["distill"] = debias.task_distill * jnp.mean(kl)
+            terms["distill"] = own.task_distill * jnp.mean(kl)
         anchor = None
-        if attribute_weights.for_attribute(debias, attribute).target_weight > 0.0:
+        if own.target_weight > 0.0:
             anchor = _undebiased_representation(
                 model,
                 method,
@@ -766,7 +767,7 @@ def make_debias_loss(
             if not debias.swap_twin_gradient:
                 h_swapped = jax.lax.stop_gradient(h_swapped)
             changed = jnp.any(swapped != ids, axis=-1)
-            keep = decision(h) if debias.swap_keep_task else None
+            keep = decision(h) if own.swap_keep_task else None
             value = objectives.swap_invariance_loss(h, h_swapped, changed, keep)
             removed[f"swap/{attribute}"] = swap_weight * value
         removed = removal.warmed_up(removed, batch.get(STEP_KEY), debias)

@@ -75,8 +75,10 @@ def config_fields() -> ml_collections.ConfigDict:
     # Per-attribute removal weights, overriding the shared ones above for the
     # attributes named: "age: fisher_weight=100, mmd_weight=5; gender:
     # mmd_weight=3" (fields: mmd_weight, fisher_weight, target_weight,
-    # adv_lambda, swap_weight). Empty: every attribute reads the shared
-    # weights.
+    # adv_lambda, swap_weight, task_distill, and the switch swap_keep_task=
+    # true/false: "gender: swap_keep_task=true, task_distill=3" keeps the
+    # core's decision for gender alone). Empty: every attribute reads the
+    # shared weights.
     f.attribute_weights = ""
     # Modular debias steps: the removal terms' gradient on each example's
     # representation loses its component against the task gradient (as in
@@ -149,7 +151,9 @@ def config_fields() -> ml_collections.ConfigDict:
     # head's decision and nowhere else (the words could keep what they tell
     # the task). Measured on the main job: no effect (the twins' difference
     # lies almost wholly outside the decision directions, and the encoder
-    # stops reading the words anyway; docs/efficacy.md, "Stop 40").
+    # stops reading the words anyway; docs/efficacy.md, "Stop 40"); with
+    # task_distill (stop 44) it keeps the core's decision: gender's removal
+    # stops at its floor, age's goes. Per attribute: attribute_weights.
     f.swap_keep_task = False
     # True (with diff.compose_prob > 0): when a debias step adds another
     # attribute's diff, its twin also swaps that attribute's words, so this
