@@ -124,8 +124,74 @@ def test_the_reread_is_off_without_prefix_reads():
         ({"method.swap_reread_at": 1.0}, "swap_reread_at is the share"),
         ({"method.swap_reread_max_drop": -1.0}, "swap_reread_max_drop must be"),
         ({"method.swap_reread_train": 3}, "swap_reread_train"),
+        ({"method.swap_reread_mode": "words"}, "swap_reread_mode='words' is not one"),
+        ({"method.swap_keep_above": 0.0}, "swap_keep_above is a share"),
+        ({"method.swap_keep_distill": -1.0}, "swap_keep_distill must be >= 0"),
     ],
 )
 def test_bad_reread_settings_name_the_fix(overrides, message):
     with pytest.raises(ValueError, match=message):
         train.build_context(tiny("moddiffy_par", **overrides))
+
+
+def test_the_read_switches_an_attribute_past_its_floor_to_the_core_decision():
+    """swap_reread_mode="decision": an attribute whose diff closed at least
+    swap_keep_above of its gap keeps the core's decision from the read on
+    (its debias loss becomes the one of swap_keep_task with the KL to the
+    core's prediction at swap_keep_distill); the other keeps the plain
+    swaps; the switches are step inputs, 0 before the read."""
+    import dataclasses
+
+    from moddiffy_jax.methods import common
+    from tests.test_counterfactual import _own_tables
+
+    overrides = {
+        "method.swap_weight": 1.0,
+        "method.swap_reread_at": 0.5,
+        "method.swap_reread_mode": "decision",
+        "method.swap_keep_distill": 2.0,
+    }
+    ctx, _, state, frozen, batch = _first_step("moddiffy_par", **overrides)
+    assert {a: float(v) for a, v in frozen[swap_reread.KEEP_KEY].items()} == {
+        "gender": 0.0,
+        "age": 0.0,
+    }
+    measured = {"gender": {"closed": 1.3, "cost": 3.0}, "age": {"closed": 0.4}}
+    chosen = swap_reread.choose(ctx, measured)
+    assert chosen["gender"]["keep_decision"] and not chosen["age"]["keep_decision"]
+    assert chosen["gender"]["groups_after"] == len(ctx.swap_groups["gender"])
+    switched = swap_reread.apply(ctx, chosen, frozen)
+    assert float(switched[swap_reread.KEEP_KEY]["gender"]) == 1.0
+    assert float(switched[swap_reread.KEEP_KEY]["age"]) == 0.0
+
+    def terms(attribute, debias, inputs):
+        loss = common.make_debias_loss(
+            ctx.model,
+            ctx.method,
+            attribute,
+            phase="l0",
+            diff_settings=ctx.diff_settings,
+            debias=debias,
+            swap_table=ctx.swap_tables[attribute],
+        )
+        _, out = jax.jit(loss)(state.trainable, inputs, batch, jax.random.PRNGKey(1))
+        return {k: float(v) for k, v in out.items() if not isinstance(v, dict)}
+
+    plain = {k: v for k, v in _own_tables(frozen).items() if k != swap_reread.KEEP_KEY}
+    kept = dataclasses.replace(ctx.debias, swap_keep_task=True, task_distill=2.0)
+    want = {a: terms(a, ctx.debias, plain) for a in ("gender", "age")}
+    want_kept = terms("gender", kept, plain)
+    for inputs, on in ((frozen, set()), (switched, {"gender"})):
+        for attribute in ("gender", "age"):
+            got = terms(attribute, ctx.debias, _own_tables(inputs))
+            kl = got.pop("distill_kept")
+            if attribute in on:
+                ref = dict(want_kept)
+                np.testing.assert_allclose(kl, ref.pop("distill"), rtol=1e-5)
+            else:
+                ref = want[attribute]
+                assert kl == 0.0
+            assert got.keys() == ref.keys()
+            for k in ref:
+                np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-7)
+    assert want_kept["swap/gender"] < want["gender"]["swap/gender"]

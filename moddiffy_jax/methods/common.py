@@ -38,7 +38,8 @@ import numpy as np
 import optax
 
 from moddiffy_jax import objectives
-from moddiffy_jax.methods import attribute_weights, removal, table_adam
+from moddiffy_jax.methods import attribute_weights, removal, swap_reread, table_adam
+from moddiffy_jax.methods.conditioning import conditioning_labels
 
 # Diff parts and their settings live in diff_parts.py; importable here too.
 from moddiffy_jax.methods.diff_parts import (
@@ -583,30 +584,6 @@ def make_task_loss(
     return loss
 
 
-def conditioning_labels(
-    debias: removal.DebiasSettings,
-    batch: Mapping[str, Any],
-    logits: jax.Array,
-    *,
-    core: Callable[[], jax.Array] | None,
-) -> jax.Array:
-    """The task classes the removal terms condition on (``condition_on``):
-    the gold labels, the predicted classes of ``logits`` or those of the
-    core (``core()``: its log-probabilities; None where there is no
-    separate core), never differentiated."""
-    if debias.condition_on == "label":
-        return batch["task"]
-    if debias.condition_on == "core_prediction":
-        if core is None:
-            raise ValueError(
-                "config.method.condition_on='core_prediction' needs a core "
-                "without the diff (modular methods: moddiffy_par, moddiffy_post, "
-                "lora_debias); use condition_on='prediction' or 'label'."
-            )
-        logits = core()
-    return jnp.argmax(jax.lax.stop_gradient(logits), -1).astype(batch["task"].dtype)
-
-
 def _accuracy(logits: jax.Array, task: jax.Array) -> jax.Array:
     hit = jnp.argmax(logits, -1) == task
     return jax.lax.stop_gradient(jnp.mean(hit.astype(jnp.float32)))
@@ -719,11 +696,25 @@ def make_debias_loss(
             phase=phase,
             settings=diff_settings,
         )
-        if own.task_distill > 0.0:
+
+        def distill(weight):
             teacher = core_prediction()
             student = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
             kl = jnp.sum(jnp.exp(teacher) * (teacher - student), -1)
-            terms["distill"] = own.task_distill * jnp.mean(kl)
+            return weight * jnp.mean(kl)
+
+        if own.task_distill > 0.0:
+            terms["distill"] = distill(own.task_distill)
+        # 1 once methods/swap_reread.py switched the attribute to keeping the
+        # core's decision (swap_reread_mode "decision"); the core's forward
+        # runs only then.
+        switched = frozen.get(swap_reread.KEEP_KEY, {}).get(attribute)
+        if switched is not None and own.swap_keep_distill > 0.0:
+            terms["distill_kept"] = jax.lax.cond(
+                switched > 0.0,
+                lambda: distill(own.swap_keep_distill),
+                lambda: jnp.zeros((), jnp.float32),
+            )
         anchor = None
         if own.target_weight > 0.0:
             anchor = _undebiased_representation(
@@ -768,6 +759,8 @@ def make_debias_loss(
                 h_swapped = jax.lax.stop_gradient(h_swapped)
             changed = jnp.any(swapped != ids, axis=-1)
             keep = decision(h) if own.swap_keep_task else None
+            if keep is None and switched is not None:  # 0: no direction kept
+                keep = decision(h) * switched
             value = objectives.swap_invariance_loss(h, h_swapped, changed, keep)
             removed[f"swap/{attribute}"] = swap_weight * value
         removed = removal.warmed_up(removed, batch.get(STEP_KEY), debias)

@@ -150,6 +150,9 @@ class DebiasSettings:
     # True: the swap distance leaves out the directions that move the task
     # head's decision (objectives/counterfactual.swap_invariance_loss).
     swap_keep_task: bool = False
+    # swap_reread_mode "decision": the KL weight of an attribute switched to
+    # keeping the core's decision (methods/swap_reread.py).
+    swap_keep_distill: float = 3.0
     # True: a composing step's twin also swaps the added diffs' attributes.
     swap_compose: bool = False
 
@@ -598,6 +601,7 @@ _LATER_FIELDS = (
     ("swap_target", 0.0),
     ("swap_max_drop", 2.5),
     ("swap_keep_task", False),
+    ("swap_keep_distill", 3.0),
     ("swap_compose", False),
 )
 

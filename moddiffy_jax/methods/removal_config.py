@@ -147,6 +147,15 @@ def config_fields() -> ml_collections.ConfigDict:
     f.swap_reread_at = 0.0
     f.swap_reread_max_drop = 1.5
     f.swap_reread_train = 1000
+    # What the re-read decides: "groups" (the groups chosen again, above) or
+    # "decision": an attribute whose diff has closed at least
+    # swap_keep_above of its gap on dev (1: down to its floor) keeps the
+    # core's decision for the rest of the run (swap_keep_task for it, and the
+    # KL to the core's prediction at weight swap_keep_distill): past the
+    # floor the swaps take what the words tell the task, not the attribute.
+    f.swap_reread_mode = "groups"
+    f.swap_keep_above = 1.0
+    f.swap_keep_distill = 3.0
     # True: the twins may differ along the directions that move the task
     # head's decision and nowhere else (the words could keep what they tell
     # the task). Measured on the main job: no effect (the twins' difference

@@ -18,6 +18,19 @@ again on them (:func:`swap_budget.choose_count`, ``swap_target`` within
 the tables are inputs of the train step (``frozen["swap_tables"]``), so no
 step compiles again.
 
+With ``method.swap_reread_mode="decision"`` the read decides instead
+whether each attribute keeps the core's decision for the rest of the run:
+a diff that has closed at least ``swap_keep_above`` of its gap on dev
+(1: down to its floor) is removing what the words tell the task, not only
+the attribute (docs/efficacy.md, "Stop 44": gender's par diffs went past
+their floor at up to 3.7 points, and keeping the core's decision stopped
+them at 0.6-0.9 of the gap within 1.4 points, while it took age's
+removal, which was short of the floor). From then on that attribute's
+twin distance leaves out the head's decision directions
+(``swap_keep_task``) and its debias step adds the KL to the core's
+prediction (weight ``swap_keep_distill``). The switches are step inputs
+too (``frozen["swap_keep"]``, 0 or 1 per attribute).
+
 The choice is written to ``swap_reread.json`` in the run directory before
 the next step. A run resumed at or past that step swaps what was chosen; one
 resumed before it reads again at the same step (the read is deterministic,
@@ -41,6 +54,8 @@ from moddiffy_jax.methods import swap_budget
 
 FILE = "swap_reread.json"
 FROZEN_KEY = "swap_tables"
+KEEP_KEY = "swap_keep"
+MODES = ("groups", "decision")
 
 
 def check_config(method_cfg) -> None:
@@ -55,6 +70,23 @@ def check_config(method_cfg) -> None:
         raise ValueError(
             "config.method.swap_reread_max_drop must be >= 0 task points, got "
             f"{method_cfg.swap_reread_max_drop}."
+        )
+    mode = method_cfg.get("swap_reread_mode", "groups")
+    if mode not in MODES:
+        raise ValueError(
+            f"config.method.swap_reread_mode={mode!r} is not one of {MODES} "
+            "(what the re-read decides: the swap groups, or which attributes "
+            "keep the core's decision)."
+        )
+    if not float(method_cfg.get("swap_keep_above", 1.0)) > 0.0:
+        raise ValueError(
+            "config.method.swap_keep_above is a share of the gap to the floor, "
+            f"> 0 (1: the floor), got {method_cfg.swap_keep_above}."
+        )
+    if not float(method_cfg.get("swap_keep_distill", 3.0)) >= 0.0:
+        raise ValueError(
+            "config.method.swap_keep_distill must be >= 0 (0: the decision "
+            f"directions alone), got {method_cfg.swap_keep_distill}."
         )
     if int(method_cfg.get("swap_reread_train", 1000)) < 10:
         raise ValueError(
@@ -74,6 +106,20 @@ def read_step(ctx, total_steps: int) -> int | None:
     if not getattr(ctx, "swap_ranked", None):
         return None
     return int(min(max(round(at * total_steps), 1), max(total_steps - 1, 1)))
+
+
+def _mode(ctx) -> str:
+    return ctx.config.method.get("swap_reread_mode", "groups")
+
+
+def frozen_keep(ctx) -> dict[str, jax.Array] | None:
+    """``frozen["swap_keep"]`` before the read (every attribute 0), or None
+    when the re-read does not decide the decision (mode "groups" or off)."""
+    if _mode(ctx) != "decision" or not float(
+        ctx.config.method.get("swap_reread_at", 0.0)
+    ):
+        return None
+    return {a: jnp.zeros((), jnp.float32) for a in (ctx.swap_tables or {})}
 
 
 def frozen_tables(ctx) -> dict[str, jax.Array]:
@@ -144,7 +190,24 @@ def measure(ctx, evaluator, trainable, frozen, phase: str) -> dict[str, dict]:
 
 def choose(ctx, measured: dict[str, dict]) -> dict[str, dict]:
     """Per attribute: the groups chosen again on the reads calibrated to
-    ``measured`` (:func:`measure`), with the reads and the reason."""
+    ``measured`` (:func:`measure`), with the reads and the reason; in mode
+    "decision", whether it keeps the core's decision from now on."""
+    if _mode(ctx) == "decision":
+        above = float(ctx.config.method.swap_keep_above)
+        groups = {a: len(ctx.swap_groups[a]) for a in measured}
+        return {
+            attr: {
+                "groups_before": groups[attr],
+                "groups_after": groups[attr],
+                "keep_decision": bool(m["closed"] >= above),
+                "reason": (
+                    f"closed {m['closed']:.3f} of the gap on dev "
+                    f"({'>=' if m['closed'] >= above else '<'} {above:g})"
+                ),
+                "measured": m,
+            }
+            for attr, m in measured.items()
+        }
     target = float(ctx.config.method.swap_target)
     max_drop = float(ctx.config.method.swap_reread_max_drop)
     out = {}
@@ -168,15 +231,26 @@ def choose(ctx, measured: dict[str, dict]) -> dict[str, dict]:
 
 def apply(ctx, chosen: dict[str, dict], frozen: dict) -> dict:
     """Sets ``ctx``'s swap groups and tables to ``chosen``'s counts (in
-    place) and returns ``frozen`` with the new tables."""
+    place) and returns ``frozen`` with the new tables (and, in mode
+    "decision", the new switches; the groups stay)."""
     table = next(iter(ctx.swap_tables.values()))
     for attr, c in chosen.items():
+        if "keep_decision" in c:
+            continue
         groups = ctx.swap_ranked[attr][: c["groups_after"]]
         ctx.swap_groups[attr] = groups
         ctx.swap_tables[attr] = objectives.swap_table(groups, table.shape[0])
-    if FROZEN_KEY not in frozen:
-        return frozen
-    return {**frozen, FROZEN_KEY: frozen_tables(ctx)}
+    out = dict(frozen)
+    if KEEP_KEY in frozen:
+        out[KEEP_KEY] = {
+            a: jnp.asarray(
+                float(chosen.get(a, {}).get("keep_decision", False)), jnp.float32
+            )
+            for a in frozen[KEEP_KEY]
+        }
+    if FROZEN_KEY in frozen:
+        out[FROZEN_KEY] = frozen_tables(ctx)
+    return out
 
 
 def reread(ctx, evaluator, workdir, trainable, frozen, phase: str, step: int):
@@ -196,6 +270,8 @@ def reread(ctx, evaluator, workdir, trainable, frozen, phase: str, step: int):
         record[f"swap_reread/{attr}/groups"] = c["groups_after"]
         record[f"swap_reread/{attr}/dev_closed"] = c["measured"]["closed"]
         record[f"swap_reread/{attr}/dev_cost"] = c["measured"]["cost"]
+        if "keep_decision" in c:
+            record[f"swap_reread/{attr}/keep_decision"] = float(c["keep_decision"])
     return apply(ctx, chosen, frozen), record
 
 
@@ -219,7 +295,15 @@ def summary(saved: dict) -> dict[str, Any]:
         "step": saved["step"],
         **{
             a: {
-                k: c[k] for k in ("groups_before", "groups_after", "reason", "measured")
+                k: c[k]
+                for k in (
+                    "groups_before",
+                    "groups_after",
+                    "keep_decision",
+                    "reason",
+                    "measured",
+                )
+                if k in c
             }
             for a, c in saved["attributes"].items()
         },
