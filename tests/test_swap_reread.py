@@ -174,7 +174,7 @@ def test_the_read_switches_an_attribute_past_its_floor_to_the_core_decision():
             debias=debias,
             swap_table=ctx.swap_tables[attribute],
         )
-        _, out = jax.jit(loss)(state.trainable, inputs, batch, jax.random.PRNGKey(1))
+        _, out = loss(state.trainable, inputs, batch, jax.random.PRNGKey(1))
         return {k: float(v) for k, v in out.items() if not isinstance(v, dict)}
 
     plain = {k: v for k, v in _own_tables(frozen).items() if k != swap_reread.KEEP_KEY}
