@@ -122,7 +122,7 @@ def test_the_swap_term_and_the_task_distill_are_set_per_attribute():
     distillation, the whole twin distance)."""
     import dataclasses
 
-    from tests.test_counterfactual import _own_tables
+    from tests.test_counterfactual import _debias_terms, _own_tables
 
     ctx, _, state, frozen, batch = _first_step(
         "moddiffy_par",
@@ -139,19 +139,8 @@ def test_the_swap_term_and_the_task_distill_are_set_per_attribute():
     shared = dataclasses.replace(plain, swap_keep_task=True, task_distill=2.0)
 
     def terms(attribute, debias):
-        loss = common.make_debias_loss(
-            ctx.model,
-            ctx.method,
-            attribute,
-            phase="l0",
-            diff_settings=ctx.diff_settings,
-            debias=debias,
-            swap_table=ctx.swap_tables[attribute],
-        )
-        _, out = loss(
-            state.trainable, _own_tables(frozen), batch, jax.random.PRNGKey(1)
-        )
-        return {k: float(v) for k, v in out.items() if not isinstance(v, dict)}
+        inputs = _own_tables(frozen)
+        return _debias_terms(ctx, attribute, debias, state.trainable, inputs, batch)
 
     mixed_gender, shared_gender = terms("gender", ctx.debias), terms("gender", shared)
     assert mixed_gender.keys() == shared_gender.keys() and "distill" in mixed_gender

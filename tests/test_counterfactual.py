@@ -151,6 +151,23 @@ def _own_tables(frozen):
     return {k: v for k, v in frozen.items() if k != "swap_tables"}
 
 
+def _debias_terms(ctx, attribute, debias, trainable, inputs, batch):
+    """The scalar terms of ``attribute``'s debias loss (L0 phase, the run's
+    swap table for it, settings ``debias``) on ``batch`` with step inputs
+    ``inputs``."""
+    loss = common.make_debias_loss(
+        ctx.model,
+        ctx.method,
+        attribute,
+        phase="l0",
+        diff_settings=ctx.diff_settings,
+        debias=debias,
+        swap_table=ctx.swap_tables[attribute],
+    )
+    _, out = loss(trainable, inputs, batch, jax.random.PRNGKey(1))
+    return {k: float(v) for k, v in out.items() if not isinstance(v, dict)}
+
+
 def _gender_loss(ctx, swaps, **more):
     """The gender debias step's loss (L0 phase) with swap table ``swaps``
     (``more``: make_debias_loss's other keywords); call it with

@@ -125,6 +125,7 @@ def test_the_reread_is_off_without_prefix_reads():
         ({"method.swap_reread_max_drop": -1.0}, "swap_reread_max_drop must be"),
         ({"method.swap_reread_train": 3}, "swap_reread_train"),
         ({"method.swap_reread_mode": "words"}, "swap_reread_mode='words' is not one"),
+        ({"method.swap_reread_mode": "decision"}, "set config.method.swap_reread_at"),
         ({"method.swap_keep_above": 0.0}, "swap_keep_above is a share"),
         ({"method.swap_keep_distill": -1.0}, "swap_keep_distill must be >= 0"),
     ],
@@ -142,8 +143,7 @@ def test_the_read_switches_an_attribute_past_its_floor_to_the_core_decision():
     swaps; the switches are step inputs, 0 before the read."""
     import dataclasses
 
-    from moddiffy_jax.methods import common
-    from tests.test_counterfactual import _own_tables
+    from tests.test_counterfactual import _debias_terms, _own_tables
 
     overrides = {
         "method.swap_weight": 1.0,
@@ -165,17 +165,7 @@ def test_the_read_switches_an_attribute_past_its_floor_to_the_core_decision():
     assert float(switched[swap_reread.KEEP_KEY]["age"]) == 0.0
 
     def terms(attribute, debias, inputs):
-        loss = common.make_debias_loss(
-            ctx.model,
-            ctx.method,
-            attribute,
-            phase="l0",
-            diff_settings=ctx.diff_settings,
-            debias=debias,
-            swap_table=ctx.swap_tables[attribute],
-        )
-        _, out = loss(state.trainable, inputs, batch, jax.random.PRNGKey(1))
-        return {k: float(v) for k, v in out.items() if not isinstance(v, dict)}
+        return _debias_terms(ctx, attribute, debias, state.trainable, inputs, batch)
 
     plain = {k: v for k, v in _own_tables(frozen).items() if k != swap_reread.KEEP_KEY}
     kept = dataclasses.replace(ctx.debias, swap_keep_task=True, task_distill=2.0)

@@ -153,6 +153,10 @@ def config_fields() -> ml_collections.ConfigDict:
     # core's decision for the rest of the run (swap_keep_task for it, and the
     # KL to the core's prediction at weight swap_keep_distill): past the
     # floor the swaps take what the words tell the task, not the attribute.
+    # Measured at swap_reread_at=1/3 on three main-job runs (docs/
+    # efficacy.md, "Stop 45"): gender switched on all three, its cost fell
+    # on all three (one still over the bar), and core + both lost gender's
+    # removal on all three; off.
     f.swap_reread_mode = "groups"
     f.swap_keep_above = 1.0
     f.swap_keep_distill = 3.0

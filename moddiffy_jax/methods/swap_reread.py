@@ -78,6 +78,11 @@ def check_config(method_cfg) -> None:
             "(what the re-read decides: the swap groups, or which attributes "
             "keep the core's decision)."
         )
+    if mode == "decision" and at == 0.0:
+        raise ValueError(
+            "config.method.swap_reread_mode='decision' switches attributes at "
+            "the re-read; set config.method.swap_reread_at (e.g. 0.3333) too."
+        )
     if not float(method_cfg.get("swap_keep_above", 1.0)) > 0.0:
         raise ValueError(
             "config.method.swap_keep_above is a share of the gap to the floor, "
