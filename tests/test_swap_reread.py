@@ -151,6 +151,10 @@ def test_the_read_switches_an_attribute_past_its_floor_to_the_core_decision():
         "method.swap_reread_mode": "decision",
         "method.swap_keep_distill": 2.0,
     }
+    # Without the swaps' prefix reads the read could never run: an error.
+    with pytest.raises(ValueError, match="set config.method.swap_target > 0"):
+        _first_step("moddiffy_par", **overrides)
+    overrides.update(SWAPS, **{"method.swap_target": 0.5})
     ctx, _, state, frozen, batch = _first_step("moddiffy_par", **overrides)
     assert {a: float(v) for a, v in frozen[swap_reread.KEEP_KEY].items()} == {
         "gender": 0.0,

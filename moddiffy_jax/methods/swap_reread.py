@@ -119,11 +119,20 @@ def _mode(ctx) -> str:
 
 def frozen_keep(ctx) -> dict[str, jax.Array] | None:
     """``frozen["swap_keep"]`` before the read (every attribute 0), or None
-    when the re-read does not decide the decision (mode "groups" or off)."""
+    when the re-read does not decide the decision (mode "groups" or off).
+    A ValueError when the mode is on but the read could never run (no
+    prefix reads: its floors come from them)."""
     if _mode(ctx) != "decision" or not float(
         ctx.config.method.get("swap_reread_at", 0.0)
     ):
         return None
+    if read_step(ctx, 2) is None:
+        raise ValueError(
+            "config.method.swap_reread_mode='decision' reads the diffs against "
+            "the swaps' prefix reads, which this run has none of: set "
+            "config.method.swap_target > 0 (objective 'swap' and 'auto' set "
+            "0.75), or swap_reread_mode='groups'."
+        )
     return {a: jnp.zeros((), jnp.float32) for a in (ctx.swap_tables or {})}
 
 
