@@ -128,6 +128,10 @@ def test_the_reread_is_off_without_prefix_reads():
         ({"method.swap_reread_mode": "decision"}, "set config.method.swap_reread_at"),
         ({"method.swap_keep_above": 0.0}, "swap_keep_above is a share"),
         ({"method.swap_keep_distill": -1.0}, "swap_keep_distill must be >= 0"),
+        ({"method.swap_reread_mode": "weight"}, "set config.method.swap_reread_at"),
+        ({"method.swap_weight_down": -0.5}, "swap_weight_down scales"),
+        ({"method.swap_weight_up": 0.5}, "swap_weight_up scales"),
+        ({"method.swap_raise_below": 1.5}, "swap_raise_below is a share"),
     ],
 )
 def test_bad_reread_settings_name_the_fix(overrides, message):
@@ -189,3 +193,55 @@ def test_the_read_switches_an_attribute_past_its_floor_to_the_core_decision():
             for k in ref:
                 np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-7)
     assert want_kept["swap/gender"] < want["gender"]["swap/gender"]
+
+
+def test_the_read_sets_each_attributes_swap_weight():
+    """swap_reread_mode="weight": a diff past swap_keep_above has its swap
+    term scaled by swap_weight_down, one short of swap_raise_below within
+    swap_reread_max_drop points by swap_weight_up, the rest by 1; the
+    scales are step inputs (1 before the read) and scale the swap term
+    alone."""
+    from tests.test_counterfactual import _debias_terms, _own_tables
+
+    overrides = {
+        **SWAPS,
+        "method.swap_target": 0.5,
+        "method.swap_reread_at": 0.5,
+        "method.swap_reread_mode": "weight",
+        "method.swap_weight_down": 0.25,
+        "method.swap_weight_up": 3.0,
+    }
+    ctx, _, state, frozen, batch = _first_step("moddiffy_par", **overrides)
+    assert swap_reread.KEEP_KEY not in frozen
+    before = {a: float(v) for a, v in frozen[swap_reread.SCALE_KEY].items()}
+    assert before == {"gender": 1.0, "age": 1.0}
+    cases = {
+        "past": ({"closed": 1.2, "cost": 2.5}, 0.25),
+        "short": ({"closed": 0.3, "cost": 1.0}, 3.0),
+        "short, costly": ({"closed": 0.3, "cost": 1.6}, 1.0),
+        "between": ({"closed": 0.8, "cost": 0.5}, 1.0),
+    }
+    for name, (m, want) in cases.items():
+        got = swap_reread.choose(ctx, {"gender": m})["gender"]
+        assert got["swap_scale"] == want, name
+        assert got["groups_after"] == len(ctx.swap_groups["gender"])
+    chosen = swap_reread.choose(
+        ctx, {"gender": cases["past"][0], "age": cases["short"][0]}
+    )
+    scaled = swap_reread.apply(ctx, chosen, frozen)
+    assert {a: float(v) for a, v in scaled[swap_reread.SCALE_KEY].items()} == {
+        "gender": 0.25,
+        "age": 3.0,
+    }
+    for attribute, factor in (("gender", 0.25), ("age", 3.0)):
+        plain = _debias_terms(
+            ctx, attribute, ctx.debias, state.trainable, _own_tables(frozen), batch
+        )
+        got = _debias_terms(
+            ctx, attribute, ctx.debias, state.trainable, _own_tables(scaled), batch
+        )
+        key = f"swap/{attribute}"
+        assert plain[key] > 0.0
+        np.testing.assert_allclose(got.pop(key), factor * plain.pop(key), rtol=1e-5)
+        for k in plain:  # every other term as before the read
+            np.testing.assert_allclose(got[k], plain[k], rtol=1e-5, atol=1e-7)

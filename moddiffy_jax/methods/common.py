@@ -762,7 +762,9 @@ def make_debias_loss(
             if keep is None and switched is not None:  # 0: no direction kept
                 keep = decision(h) * switched
             value = objectives.swap_invariance_loss(h, h_swapped, changed, keep)
-            removed[f"swap/{attribute}"] = swap_weight * value
+            # swap_reread_mode "weight": the read's scale (1 before it).
+            scale = frozen.get(swap_reread.SCALE_KEY, {}).get(attribute, 1.0)
+            removed[f"swap/{attribute}"] = swap_weight * scale * value
         removed = removal.warmed_up(removed, batch.get(STEP_KEY), debias)
         if debias.task_guard:
             removed = _guarded(

@@ -157,9 +157,16 @@ def config_fields() -> ml_collections.ConfigDict:
     # efficacy.md, "Stop 45"): gender switched on all three, its cost fell
     # on all three (one still over the bar), and core + both lost gender's
     # removal on all three; off.
+    # "weight": the swap term of an attribute whose diff has closed at least
+    # swap_keep_above of its gap on dev is scaled by swap_weight_down for
+    # the rest of the run; one that has closed less than swap_raise_below
+    # at a dev cost within swap_reread_max_drop points by swap_weight_up.
     f.swap_reread_mode = "groups"
     f.swap_keep_above = 1.0
     f.swap_keep_distill = 3.0
+    f.swap_weight_down = 0.5
+    f.swap_weight_up = 2.0
+    f.swap_raise_below = 0.6
     # True: the twins may differ along the directions that move the task
     # head's decision and nowhere else (the words could keep what they tell
     # the task). Measured on the main job: no effect (the twins' difference

@@ -83,9 +83,10 @@ def init(ctx, rng: jax.Array) -> tuple[dict, dict]:
         from moddiffy_jax.methods import swap_reread
 
         frozen[swap_reread.FROZEN_KEY] = swap_reread.frozen_tables(ctx)
-        keep = swap_reread.frozen_keep(ctx)  # swap_reread_mode "decision"
-        if keep is not None:
-            frozen[swap_reread.KEEP_KEY] = keep
+        # swap_reread_mode "decision" or "weight": their switches.
+        switches = swap_reread.frozen_switches(ctx)
+        if switches is not None:
+            frozen[switches[0]] = switches[1]
     return trainable, frozen
 
 

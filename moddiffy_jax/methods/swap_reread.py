@@ -31,6 +31,19 @@ twin distance leaves out the head's decision directions
 prediction (weight ``swap_keep_distill``). The switches are step inputs
 too (``frozen["swap_keep"]``, 0 or 1 per attribute).
 
+With ``method.swap_reread_mode="weight"`` the read sets each attribute's
+swap weight for the rest of the run instead: a diff that has closed at
+least ``swap_keep_above`` of its gap on dev has its swap term scaled by
+``swap_weight_down`` (past the floor the swaps take task evidence, and a
+lighter pull lets the task term win some of it back); one that has closed
+less than ``swap_raise_below`` at a dev cost within
+``swap_reread_max_drop`` points by ``swap_weight_up`` (it has task points
+to spend on more removal); the others keep theirs. Gender and age needed
+opposite strengths of the same term on the same run (docs/efficacy.md,
+"Stop 44"); this chooses them per attribute from the diff's own read. The
+scales are step inputs as well (``frozen["swap_scale"]``, 1 before the
+read).
+
 The choice is written to ``swap_reread.json`` in the run directory before
 the next step. A run resumed at or past that step swaps what was chosen; one
 resumed before it reads again at the same step (the read is deterministic,
@@ -55,7 +68,11 @@ from moddiffy_jax.methods import swap_budget
 FILE = "swap_reread.json"
 FROZEN_KEY = "swap_tables"
 KEEP_KEY = "swap_keep"
-MODES = ("groups", "decision")
+SCALE_KEY = "swap_scale"
+MODES = ("groups", "decision", "weight")
+#: The step-input switches each mode adds to ``frozen`` and their value
+#: before the read.
+_SWITCHES = {"decision": (KEEP_KEY, 0.0), "weight": (SCALE_KEY, 1.0)}
 
 
 def check_config(method_cfg) -> None:
@@ -78,9 +95,9 @@ def check_config(method_cfg) -> None:
             "(what the re-read decides: the swap groups, or which attributes "
             "keep the core's decision)."
         )
-    if mode == "decision" and at == 0.0:
+    if mode in _SWITCHES and at == 0.0:
         raise ValueError(
-            "config.method.swap_reread_mode='decision' switches attributes at "
+            f"config.method.swap_reread_mode={mode!r} switches attributes at "
             "the re-read; set config.method.swap_reread_at (e.g. 0.3333) too."
         )
     if not float(method_cfg.get("swap_keep_above", 1.0)) > 0.0:
@@ -92,6 +109,26 @@ def check_config(method_cfg) -> None:
         raise ValueError(
             "config.method.swap_keep_distill must be >= 0 (0: the decision "
             f"directions alone), got {method_cfg.swap_keep_distill}."
+        )
+    if not float(method_cfg.get("swap_weight_down", 0.5)) >= 0.0:
+        raise ValueError(
+            "config.method.swap_weight_down scales the swap term of a diff past "
+            f"swap_keep_above, >= 0 (0: off), got {method_cfg.swap_weight_down}."
+        )
+    if not float(method_cfg.get("swap_weight_up", 2.0)) >= 1.0:
+        raise ValueError(
+            "config.method.swap_weight_up scales the swap term of a diff short "
+            f"of swap_raise_below, >= 1 (1: kept), got {method_cfg.swap_weight_up}."
+        )
+    if (
+        not 0.0
+        <= float(method_cfg.get("swap_raise_below", 0.6))
+        <= float(method_cfg.get("swap_keep_above", 1.0))
+    ):
+        raise ValueError(
+            "config.method.swap_raise_below is a share of the gap to the floor "
+            "in [0, swap_keep_above] (0: never raised), got "
+            f"{method_cfg.swap_raise_below}."
         )
     if int(method_cfg.get("swap_reread_train", 1000)) < 10:
         raise ValueError(
@@ -117,23 +154,24 @@ def _mode(ctx) -> str:
     return ctx.config.method.get("swap_reread_mode", "groups")
 
 
-def frozen_keep(ctx) -> dict[str, jax.Array] | None:
-    """``frozen["swap_keep"]`` before the read (every attribute 0), or None
-    when the re-read does not decide the decision (mode "groups" or off).
-    A ValueError when the mode is on but the read could never run (no
-    prefix reads: its floors come from them)."""
-    if _mode(ctx) != "decision" or not float(
-        ctx.config.method.get("swap_reread_at", 0.0)
-    ):
+def frozen_switches(ctx) -> tuple[str, dict[str, jax.Array]] | None:
+    """The key and the value before the read of the switches the mode adds
+    to ``frozen`` (mode "decision": ``swap_keep``, every attribute 0; mode
+    "weight": ``swap_scale``, every attribute 1), or None for mode "groups"
+    or the re-read off. A ValueError when the mode is on but the read could
+    never run (no prefix reads: its floors come from them)."""
+    mode = _mode(ctx)
+    if mode not in _SWITCHES or not float(ctx.config.method.get("swap_reread_at", 0.0)):
         return None
     if read_step(ctx, 2) is None:
         raise ValueError(
-            "config.method.swap_reread_mode='decision' reads the diffs against "
+            f"config.method.swap_reread_mode={mode!r} reads the diffs against "
             "the swaps' prefix reads, which this run has none of: set "
             "config.method.swap_target > 0 (objective 'swap' and 'auto' set "
             "0.75), or swap_reread_mode='groups'."
         )
-    return {a: jnp.zeros((), jnp.float32) for a in (ctx.swap_tables or {})}
+    key, before = _SWITCHES[mode]
+    return key, {a: jnp.full((), before, jnp.float32) for a in (ctx.swap_tables or {})}
 
 
 def frozen_tables(ctx) -> dict[str, jax.Array]:
@@ -205,7 +243,10 @@ def measure(ctx, evaluator, trainable, frozen, phase: str) -> dict[str, dict]:
 def choose(ctx, measured: dict[str, dict]) -> dict[str, dict]:
     """Per attribute: the groups chosen again on the reads calibrated to
     ``measured`` (:func:`measure`), with the reads and the reason; in mode
-    "decision", whether it keeps the core's decision from now on."""
+    "decision", whether it keeps the core's decision from now on; in mode
+    "weight", the scale of its swap term from now on."""
+    if _mode(ctx) == "weight":
+        return {attr: _weight_choice(ctx, attr, m) for attr, m in measured.items()}
     if _mode(ctx) == "decision":
         above = float(ctx.config.method.swap_keep_above)
         groups = {a: len(ctx.swap_groups[a]) for a in measured}
@@ -243,13 +284,36 @@ def choose(ctx, measured: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
+def _weight_choice(ctx, attr: str, m: dict) -> dict:
+    """Mode "weight": the scale of one attribute's swap term and why."""
+    cfg = ctx.config.method
+    above, below = float(cfg.swap_keep_above), float(cfg.swap_raise_below)
+    max_drop = float(cfg.swap_reread_max_drop)
+    closed, cost = m["closed"], m.get("cost", 0.0)
+    if closed >= above:
+        scale, why = float(cfg.swap_weight_down), f">= {above:g}: lowered"
+    elif closed < below and cost <= max_drop:
+        scale = float(cfg.swap_weight_up)
+        why = f"< {below:g} at {cost:g} <= {max_drop:g} points: raised"
+    else:
+        scale, why = 1.0, "kept"
+    groups = len(ctx.swap_groups[attr])
+    return {
+        "groups_before": groups,
+        "groups_after": groups,
+        "swap_scale": scale,
+        "reason": f"closed {closed:.3f} of the gap on dev at {cost:g} points ({why})",
+        "measured": m,
+    }
+
+
 def apply(ctx, chosen: dict[str, dict], frozen: dict) -> dict:
     """Sets ``ctx``'s swap groups and tables to ``chosen``'s counts (in
     place) and returns ``frozen`` with the new tables (and, in mode
     "decision", the new switches; the groups stay)."""
     table = next(iter(ctx.swap_tables.values()))
     for attr, c in chosen.items():
-        if "keep_decision" in c:
+        if "keep_decision" in c or "swap_scale" in c:
             continue
         groups = ctx.swap_ranked[attr][: c["groups_after"]]
         ctx.swap_groups[attr] = groups
@@ -261,6 +325,11 @@ def apply(ctx, chosen: dict[str, dict], frozen: dict) -> dict:
                 float(chosen.get(a, {}).get("keep_decision", False)), jnp.float32
             )
             for a in frozen[KEEP_KEY]
+        }
+    if SCALE_KEY in frozen:
+        out[SCALE_KEY] = {
+            a: jnp.asarray(float(chosen.get(a, {}).get("swap_scale", 1.0)), jnp.float32)
+            for a in frozen[SCALE_KEY]
         }
     if FROZEN_KEY in frozen:
         out[FROZEN_KEY] = frozen_tables(ctx)
@@ -286,6 +355,8 @@ def reread(ctx, evaluator, workdir, trainable, frozen, phase: str, step: int):
         record[f"swap_reread/{attr}/dev_cost"] = c["measured"]["cost"]
         if "keep_decision" in c:
             record[f"swap_reread/{attr}/keep_decision"] = float(c["keep_decision"])
+        if "swap_scale" in c:
+            record[f"swap_reread/{attr}/swap_scale"] = c["swap_scale"]
     return apply(ctx, chosen, frozen), record
 
 
@@ -314,6 +385,7 @@ def summary(saved: dict) -> dict[str, Any]:
                     "groups_before",
                     "groups_after",
                     "keep_decision",
+                    "swap_scale",
                     "reason",
                     "measured",
                 )
