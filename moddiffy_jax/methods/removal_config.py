@@ -161,6 +161,9 @@ def config_fields() -> ml_collections.ConfigDict:
     # swap_keep_above of its gap on dev is scaled by swap_weight_down for
     # the rest of the run; one that has closed less than swap_raise_below
     # at a dev cost within swap_reread_max_drop points by swap_weight_up.
+    # Measured at swap_reread_at=1/3 on the same three runs (docs/
+    # efficacy.md, "Stop 46"): gender's removal and cost stayed, age's
+    # removal too, core + both removed less on all three; off.
     f.swap_reread_mode = "groups"
     f.swap_keep_above = 1.0
     f.swap_keep_distill = 3.0
