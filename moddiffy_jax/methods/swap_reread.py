@@ -92,8 +92,8 @@ def check_config(method_cfg) -> None:
     if mode not in MODES:
         raise ValueError(
             f"config.method.swap_reread_mode={mode!r} is not one of {MODES} "
-            "(what the re-read decides: the swap groups, or which attributes "
-            "keep the core's decision)."
+            "(what the re-read decides: the swap groups, which attributes "
+            "keep the core's decision, or each attribute's swap weight)."
         )
     if mode in _SWITCHES and at == 0.0:
         raise ValueError(
