@@ -420,6 +420,36 @@ def _assert_batches_equal(a, b):
         np.testing.assert_array_equal(a["attrs"][k], b["attrs"][k])
 
 
+@pytest.mark.parametrize("n,batch,seed,shards", [(10, 3, 0, 1), (37, 8, 5, 2)])
+def test_train_iterator_order_is_grains_shuffle(n, batch, seed, shards):
+    # The iterator calls grain's index shuffle directly; its order must stay
+    # the one of grain's own graph, range(n).shuffle(s).repeat(), which earlier
+    # runs (and their resumes) were trained on.
+    import grain
+
+    from moddiffy_jax.data import pipeline
+
+    order = (
+        grain.MapDataset.range(n).shuffle(seed=pipeline._shuffle_seed(seed)).repeat()
+    )
+    steps = n // batch
+    local = batch // shards
+    for shard in range(shards):
+        it = data.TrainIterator(
+            _index_split(n),
+            batch_size=batch,
+            seed=seed,
+            shard_index=shard,
+            shard_count=shards,
+        )
+        for step in range(3 * steps + 1):  # past two epoch boundaries
+            epoch, j = divmod(step, steps)
+            start = epoch * n + j * batch + shard * local
+            want = [order[start + t] for t in range(local)]
+            np.testing.assert_array_equal(next(it)["input_ids"][:, 0], want)
+        it.close()
+
+
 def test_train_iterator_epochs_and_batches():
     split = _index_split(10)
     it = data.TrainIterator(split, batch_size=3, seed=0)
