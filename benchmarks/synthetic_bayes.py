@@ -20,7 +20,14 @@ Bayes decision y*(t, g, a) (a representation that holds the task word,
 the other attribute and the decision: the decision uses the attribute, the
 representation holds nothing more of it).
 
-    python benchmarks/synthetic_bayes.py
+    python benchmarks/synthetic_bayes.py [--curve]
+
+``--curve`` adds partial removal at the Bayes optimum: each attribute's
+marker hidden (read as absent) or flipped on a random share of the
+examples, the task cost against the share of the gap closed, and for both
+attributes at once the least cost at which both gaps are half closed. A
+diff trained on counterfactual word swaps makes the marker unreadable, as
+"hidden" does (docs/efficacy.md, "Stop 47").
 
 Numbers are of the SYNTHETIC process, not of a trained model.
 """
@@ -77,6 +84,9 @@ def main() -> None:
     parser.add_argument("--age_corr", type=float, default=0.5)
     parser.add_argument("--label_noise", type=float, default=0.1)
     parser.add_argument("--marker_prob", type=float, default=0.9)
+    parser.add_argument(
+        "--curve", action="store_true", help="partial removal: cost against gap"
+    )
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     corr = {"gender": args.gender_corr, "age": args.age_corr}
@@ -102,6 +112,94 @@ def main() -> None:
             for n in ("gender", "age")
         ]
         print(f"| {label} | {acc:.3f} | {leak[0]:.3f} | {leak[1]:.3f} |")
+    if args.curve:
+        curve(rng, y, t, values, seen)
+        joint(rng, y, t, values, seen)
+
+
+def _masked(cue, u, form, share):
+    if form == "hidden":
+        return np.where(u < share, 2, cue)
+    return np.where((u < share) & (cue < 2), 1 - cue, cue)
+
+
+def _floor_and_lead(y, t, values, seen):
+    floor, lead = {}, {}
+    for n in ("gender", "age"):
+        floor[n] = balanced_accuracy(decide([y], values[n], balanced=True), values[n])
+        everything = decide([t, seen["gender"], seen["age"]], values[n], balanced=True)
+        lead[n] = balanced_accuracy(everything, values[n])
+    return floor, lead
+
+
+def joint(rng, y, t, values, seen) -> None:
+    """Both markers partly removed at once (core + both), each hidden or
+    flipped on its own random share: the least task cost at which both
+    gaps are at least half closed, per pair of forms."""
+    keep = slice(0, 500_000)  # a finer grid on fewer draws
+    y, t = y[keep], t[keep]
+    values = {n: v[keep] for n, v in values.items()}
+    seen = {n: v[keep] for n, v in seen.items()}
+    floor, lead = _floor_and_lead(y, t, values, seen)
+    acc0 = np.mean(decide([t, seen["gender"], seen["age"]], y) == y)
+    ug, ua = rng.random(len(y)), rng.random(len(y))
+    shares = np.round(np.arange(0.05, 0.65, 0.05), 2)
+    print("\ncore + both: least cost with both gaps at least half closed")
+    print(
+        "| gender marker | age marker | shares | cost (pts) | gender closed | age closed |"
+    )
+    print("|---|---|---|---|---|---|")
+    for fg in ("hidden", "flipped"):
+        for fa in ("hidden", "flipped"):
+            best = None
+            for sg in shares:
+                for sa in shares:
+                    g = _masked(seen["gender"], ug, fg, sg)
+                    a = _masked(seen["age"], ua, fa, sa)
+                    cost = 100 * (acc0 - np.mean(decide([t, g, a], y) == y))
+                    closed = []
+                    for n in ("gender", "age"):
+                        pred = decide([t, g, a], values[n], balanced=True)
+                        leak = balanced_accuracy(pred, values[n])
+                        closed.append((lead[n] - leak) / (lead[n] - floor[n]))
+                    if min(closed) >= 0.5 and (best is None or cost < best[2]):
+                        best = (sg, sa, cost, *closed)
+            if best is None:
+                print(f"| {fg} | {fa} | none up to 0.6 | | | |")
+            else:
+                sg, sa, cost, cg, ca = best
+                print(
+                    f"| {fg} | {fa} | {sg:.2f}, {sa:.2f} | {cost:.2f} | {cg:.2f} "
+                    f"| {ca:.2f} |"
+                )
+
+
+def curve(rng, y, t, values, seen) -> None:
+    """Partial removal at the Bayes optimum: the representation holds the
+    task word, the other marker and the attribute's marker, the latter
+    hidden (read as absent) on a random share q of the examples or flipped
+    on a share p. Gap closed toward the floor and task cost (points) against
+    all cues; the share of the gap a half-removal diff must close is 0.5."""
+    floor, leads = _floor_and_lead(y, t, values, seen)
+    acc0 = np.mean(decide([t, seen["gender"], seen["age"]], y) == y)
+    u = rng.random(len(y))
+    for name, other in (("gender", "age"), ("age", "gender")):
+        value, lead = values[name], leads[name]
+        print(f"\n{name}: all cues leak {lead:.3f}, floor {floor[name]:.3f}")
+        print("| marker | share | task accuracy | cost (pts) | leakage | gap closed |")
+        print("|---|---|---|---|---|---|")
+        for form in ("hidden", "flipped"):
+            for share in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0):
+                if form == "flipped" and share > 0.5:
+                    continue
+                cols = [t, seen[other], _masked(seen[name], u, form, share)]
+                acc = np.mean(decide(cols, y) == y)
+                leak = balanced_accuracy(decide(cols, value, balanced=True), value)
+                closed = (lead - leak) / (lead - floor[name])
+                print(
+                    f"| {form} | {share:.1f} | {acc:.3f} | {100 * (acc0 - acc):.2f} "
+                    f"| {leak:.3f} | {closed:.2f} |"
+                )
 
 
 if __name__ == "__main__":
