@@ -134,7 +134,11 @@ def config_fields() -> ml_collections.ConfigDict:
     # fewest that close swap_target of the gap between the all-words read's
     # leakage and the floor, within swap_max_drop points of the read's task
     # accuracy (else the most within it). 0: every group (which costs the
-    # task all the words are worth; docs/efficacy.md, "Stop 39").
+    # task all the words are worth; docs/efficacy.md, "Stop 39"). The swap
+    # recipe sets 0.75; 0.6 (stops 46-47, ten main-job runs where it chose
+    # fewer groups) lowered the cost of diffs that remove past their floor
+    # and passed 14 of 20 single diffs against 11, equal on held-out
+    # samples: the choice where the task cost is what fails.
     f.swap_target = 0.0
     f.swap_max_drop = 2.5
     # > 0 (with swap_target > 0): at this share of the run's steps, read each
