@@ -13,9 +13,8 @@ epoch; its index shuffle is called directly) read through a step index
 (``range(steps_per_epoch).repeat().map_with_index(...)``). Step ``s`` of
 epoch ``e`` takes positions ``[s*B, (s+1)*B)`` of epoch ``e``'s permutation,
 so each epoch drops its ``N mod B`` remainder and no batch straddles two
-epochs. The grain iterator
-state is just the next step index, so a restored iterator yields exactly the
-batches the uninterrupted one would.
+epochs. The grain iterator state is just the next step index, so a restored
+iterator yields exactly the batches the uninterrupted one would.
 """
 
 from __future__ import annotations
