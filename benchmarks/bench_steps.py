@@ -188,10 +188,13 @@ def run_one(
     jax.block_until_ready((state, metrics))
     pipelined = (time.perf_counter() - t) / steps
     if trace_dir:
+        # Traced as the training loop runs: three steps dispatched back to
+        # back, then one wait (stop 47's blocking trace could not say what
+        # holds a pipelined step back).
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(3):
                 state, metrics = step(state, frozen, next(it), rng)
-                jax.block_until_ready(metrics)
+            jax.block_until_ready((state, metrics))
     n_params = sum(int(np.size(x)) for x in jax.tree.leaves(ctx.pretrained))
     return {
         "method": method,
