@@ -13,7 +13,8 @@ Measures, on whatever device JAX sees first (meant for one GPU):
   same steps dispatched back to back (``*_pipelined``: the training loop's
   rate, host work overlapped); the step's ratio to three fine-tuning
   steps (its floor: three forward-backward passes); with ``--trace DIR``, a
-  profile of three more steps and where their device time goes
+  profile of three more steps, dispatched back to back, and where their
+  device time goes
   (``trace_summary.py``);
 * composing core + one and two 1%-dense diffs (``apply_diffs``, jitted) on
   BERT-base parameters.
