@@ -18,7 +18,11 @@ Rows: all cues (what the core may learn), each attribute left out, the
 gold label alone (the report's floor), and the cues kept only through the
 Bayes decision y*(t, g, a) (a representation that holds the task word,
 the other attribute and the decision: the decision uses the attribute, the
-representation holds nothing more of it).
+representation holds nothing more of it). Then what ``swap_keep_pivotal``
+asks of a diff: the marker read as absent except where swapping it moves
+the decision, and for core + both (both diffs' twins meeting wherever the
+decision stays, so only the markers' presence and the decision are left)
+the task word, which markers are present and the decision.
 
     python benchmarks/synthetic_bayes.py [--curve]
 
@@ -102,6 +106,9 @@ def main() -> None:
         ("t, a, y*(t, g, a)", [t, a, decision]),
         ("t, g, y*(t, g, a)", [t, g, decision]),
         ("t, y*(t, g, a)", [t, decision]),
+        ("t, a, g unless g moves y*", [t, a, _unless_pivotal(t, g, a, decision, 1)]),
+        ("t, g, a unless a moves y*", [t, g, _unless_pivotal(t, g, a, decision, 2)]),
+        ("t, markers present, y*", [t, g < 2, a < 2, decision]),
     ]
     print("| representation holds | task accuracy | gender leakage | age leakage |")
     print("|---|---|---|---|")
@@ -115,6 +122,20 @@ def main() -> None:
     if args.curve:
         curve(rng, y, t, values, seen)
         joint(rng, y, t, values, seen)
+
+
+def _unless_pivotal(t, g, a, decision, which):
+    """The marker (``which``: 1 gender, 2 age) read as absent wherever
+    swapping it for the other value leaves the decision y*(t, g, a) as it is
+    (``swap_keep_pivotal``: the twins meet everywhere but where the swap
+    moves the core's decision)."""
+    table = np.zeros(64, np.int64)
+    table[(t * 4 + g) * 4 + a] = decision
+    cues = [t, g, a]
+    marker = cues[which]
+    cues[which] = np.where(marker < 2, 1 - marker, marker)
+    moved = table[(cues[0] * 4 + cues[1]) * 4 + cues[2]] != decision
+    return np.where(moved, marker, 2)
 
 
 def _masked(cue, u, form, share):

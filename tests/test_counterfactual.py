@@ -1,5 +1,7 @@
 """Counterfactual token swaps (config.method.swap_weight)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -338,3 +340,62 @@ def test_objective_swap_without_a_weight_names_the_fix():
     config = tiny("moddiffy_par", "objective=swap", **{"method.swap_weight": 0.0})
     with pytest.raises(ValueError, match="set config.method.swap_weight > 0"):
         train.build_context(config)
+
+
+def test_decision_moved_marks_rows_whose_argmax_the_swap_changes():
+    core = jnp.log(jnp.array([[0.9, 0.1], [0.4, 0.6], [0.2, 0.8]]))
+    twin = jnp.log(jnp.array([[0.6, 0.4], [0.7, 0.3], [0.1, 0.9]]))
+    np.testing.assert_array_equal(
+        np.asarray(objectives.decision_moved(core, twin)), [0.0, 1.0, 0.0]
+    )
+
+
+def _with_head_bias(tree, bias):
+    """``tree`` with the task head's bias set to ``bias`` (a decision the
+    encoder cannot move)."""
+
+    def put(path, leaf):
+        names = "/".join(str(getattr(k, "key", k)) for k in path)
+        return (
+            jnp.asarray(bias, leaf.dtype)
+            if "task_head" in names and names.endswith("bias")
+            else leaf
+        )
+
+    return jax.tree_util.tree_map_with_path(put, tree)
+
+
+def test_keep_pivotal_keeps_the_decision_only_where_the_swap_moves_it():
+    """``swap_keep_pivotal``: where the swap moves no decision of the core
+    (a head bias no representation outweighs) the term is the whole
+    distance; otherwise it lies between swap_keep_task's and the whole."""
+    ctx, _, state, frozen, batch = _first_step(
+        "moddiffy_par", **{"method.swap_weight": 1.0}
+    )
+    table = ctx.swap_tables["gender"]
+
+    def term(trainable, frozen_tree, **switches):
+        debias = dataclasses.replace(ctx.debias, **switches)
+        loss = common.make_debias_loss(
+            ctx.model,
+            ctx.method,
+            "gender",
+            phase="l0",
+            diff_settings=ctx.diff_settings,
+            debias=debias,
+            swap_table=table,
+        )
+        _, out = loss(trainable, _own_tables(frozen_tree), batch, jax.random.PRNGKey(1))
+        return float(out["swap/gender"])
+
+    whole = term(state.trainable, frozen)
+    kept = term(state.trainable, frozen, swap_keep_task=True)
+    pivotal = term(state.trainable, frozen, swap_keep_pivotal=True)
+    assert kept < whole
+    assert kept - 1e-6 <= pivotal <= whole + 1e-6
+    fixed = (
+        _with_head_bias(state.trainable, [1e4, 0.0]),
+        _with_head_bias(frozen, [1e4, 0.0]),
+    )
+    assert term(*fixed, swap_keep_pivotal=True) == pytest.approx(term(*fixed), rel=1e-6)
+    assert term(*fixed, swap_keep_task=True) < term(*fixed)

@@ -26,7 +26,7 @@ ATTRIBUTE_WEIGHTS = (
     "task_distill",
 )
 #: The on/off settings it can set per attribute (true / false, or 1 / 0).
-ATTRIBUTE_SWITCHES = ("swap_keep_task",)
+ATTRIBUTE_SWITCHES = ("swap_keep_task", "swap_keep_pivotal")
 _SWITCH_VALUES = {"true": True, "1": True, "false": False, "0": False}
 
 

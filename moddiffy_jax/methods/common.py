@@ -692,7 +692,7 @@ def make_debias_loss(
             method,
             trainable,
             frozen,
-            batch,
+            batch=batch,
             phase=phase,
             settings=diff_settings,
         )
@@ -759,6 +759,10 @@ def make_debias_loss(
                 h_swapped = jax.lax.stop_gradient(h_swapped)
             changed = jnp.any(swapped != ids, axis=-1)
             keep = decision(h) if own.swap_keep_task else None
+            if own.swap_keep_pivotal:  # only where the swap moves the core
+                twin = core_prediction(batch={**batch, "input_ids": swapped})
+                moved = objectives.decision_moved(core_prediction(), twin)
+                keep = decision(h) * moved[:, None, None]
             if keep is None and switched is not None:  # 0: no direction kept
                 keep = decision(h) * switched
             value = objectives.swap_invariance_loss(h, h_swapped, changed, keep)

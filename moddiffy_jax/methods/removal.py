@@ -150,6 +150,9 @@ class DebiasSettings:
     # True: the swap distance leaves out the directions that move the task
     # head's decision (objectives/counterfactual.swap_invariance_loss).
     swap_keep_task: bool = False
+    # True: as swap_keep_task, but only on the pairs whose swap changes the
+    # core's decision; every other pair keeps the whole distance.
+    swap_keep_pivotal: bool = False
     # swap_reread_mode "decision": the KL weight of an attribute switched to
     # keeping the core's decision (methods/swap_reread.py).
     swap_keep_distill: float = 3.0
@@ -601,6 +604,7 @@ _LATER_FIELDS = (
     ("swap_target", 0.0),
     ("swap_max_drop", 2.5),
     ("swap_keep_task", False),
+    ("swap_keep_pivotal", False),
     ("swap_keep_distill", 3.0),
     ("swap_compose", False),
 )
@@ -736,7 +740,12 @@ def settings_from_config(
             "config.method.swap_share must be in [0, 1] (a share of the best "
             f"token's score), got {fields['swap_share']}."
         )
-    for name in ("swap_twin_gradient", "swap_keep_task", "swap_compose"):
+    for name in (
+        "swap_twin_gradient",
+        "swap_keep_task",
+        "swap_keep_pivotal",
+        "swap_compose",
+    ):
         if not isinstance(fields[name], bool):
             raise ValueError(
                 f"config.method.{name} must be True or False, got {fields[name]!r}."

@@ -182,6 +182,14 @@ def config_fields() -> ml_collections.ConfigDict:
     # task_distill (stop 44) it keeps the core's decision: gender's removal
     # stops at its floor, age's goes. Per attribute: attribute_weights.
     f.swap_keep_task = False
+    # True: the decision directions are left out only on the pairs whose
+    # swap changes the core's decision (one more core forward pass on the
+    # twin per debias step); every other pair keeps the whole distance, so
+    # the words stay readable only where they decide the task. At the Bayes
+    # optimum of the main job's data this holds each attribute through the
+    # decision alone: 0.89 of its gap closed at no task cost (benchmarks/
+    # synthetic_bayes.py; docs/efficacy.md, "Stop 48").
+    f.swap_keep_pivotal = False
     # True (with diff.compose_prob > 0): when a debias step adds another
     # attribute's diff, its twin also swaps that attribute's words, so this
     # diff is asked not to give back what the other removed (core + both).

@@ -11,6 +11,7 @@ from moddiffy_jax.objectives.classification import (
     majority_vote,
 )
 from moddiffy_jax.objectives.counterfactual import (
+    decision_moved,
     outside,
     swap_invariance_loss,
     swap_table,
@@ -61,6 +62,7 @@ __all__ = [
     "get_known_bias_loss",
     "gradient_reversal",
     "task_projected",
+    "decision_moved",
     "outside",
     "swap_invariance_loss",
     "swap_table",

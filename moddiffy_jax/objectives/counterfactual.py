@@ -76,6 +76,15 @@ def outside(delta: jax.Array, keep: jax.Array) -> jax.Array:
     return delta - jnp.einsum("bk,bkh->bh", coef, keep)
 
 
+def decision_moved(core: jax.Array, core_twin: jax.Array) -> jax.Array:
+    """[B] float32: 1 where the core's decision (argmax of its task
+    log-probabilities ``core`` [B, C]) differs from its decision on the
+    swapped twin ``core_twin`` [B, C], else 0 (``swap_keep_pivotal``: only
+    there may the twins differ along the decision directions)."""
+    moved = jnp.argmax(core, -1) != jnp.argmax(core_twin, -1)
+    return jax.lax.stop_gradient(moved.astype(jnp.float32))
+
+
 def swap_invariance_loss(
     h: jax.Array,
     h_swapped: jax.Array,
