@@ -233,6 +233,8 @@ def test_the_debias_step_reads_the_swapped_twin():
         ("moddiffy_par", {"method.swap_share": 2.0}, "swap_share must be in"),
         ("moddiffy_par", {"method.swap_target": 1.5}, "swap_target must be a share"),
         ("moddiffy_par", {"method.swap_max_drop": -1.0}, "swap_max_drop must be"),
+        ("moddiffy_par", {"method.swap_distill": -1.0}, "swap_distill must be in"),
+        ("moddiffy_par", {"method.swap_keep_pivotal": 1}, "must be True or False"),
         ("diffprun_debias", {"method.swap_weight": 1.0}, "modular debiasing"),
     ],
 )
@@ -399,3 +401,49 @@ def test_keep_pivotal_keeps_the_decision_only_where_the_swap_moves_it():
     )
     assert term(*fixed, swap_keep_pivotal=True) == pytest.approx(term(*fixed), rel=1e-6)
     assert term(*fixed, swap_keep_task=True) < term(*fixed)
+
+
+def test_kl_where_averages_over_the_chosen_rows_only():
+    teacher = jnp.log(jnp.array([[0.5, 0.5], [0.9, 0.1], [0.2, 0.8]]))
+    logits = jnp.log(jnp.array([[0.5, 0.5], [0.5, 0.5], [0.2, 0.8]]))
+    kl_row1 = 0.9 * np.log(0.9 / 0.5) + 0.1 * np.log(0.1 / 0.5)
+    rows = jnp.array([True, True, False])
+    got = float(objectives.kl_where(teacher, logits, rows))
+    assert got == pytest.approx(kl_row1 / 2, rel=1e-5)
+    assert float(objectives.kl_where(teacher, logits, ~rows)) == pytest.approx(
+        0.0, abs=1e-6
+    )
+    assert float(objectives.kl_where(teacher, logits, jnp.zeros(3, bool))) == 0.0
+
+
+def test_swap_distill_is_the_task_distill_term_on_unswapped_rows():
+    """With a swap that changes no row, ``swap_distill`` is the KL to the
+    core's prediction over the whole batch: task_distill's term at the same
+    weight; with the attribute's own swap it reads fewer rows."""
+    ctx, _, state, frozen, batch = _first_step(
+        "moddiffy_par", **{"method.swap_weight": 1.0}
+    )
+    table = ctx.swap_tables["gender"]
+    debias = dataclasses.replace(ctx.debias, swap_distill=2.0, task_distill=2.0)
+    got = {}
+    for name, swaps in (("identity", np.arange(table.size)), ("own", table)):
+        loss = common.make_debias_loss(
+            ctx.model,
+            ctx.method,
+            "gender",
+            phase="l0",
+            diff_settings=ctx.diff_settings,
+            debias=debias,
+            swap_table=swaps,
+        )
+        _, terms = loss(
+            state.trainable, _own_tables(frozen), batch, jax.random.PRNGKey(1)
+        )
+        got[name] = {k: float(terms[k]) for k in ("distill", "distill_unswapped")}
+    assert got["identity"]["distill"] > 0.0
+    assert got["identity"]["distill_unswapped"] == pytest.approx(
+        got["identity"]["distill"], rel=1e-5
+    )
+    assert got["own"]["distill_unswapped"] != pytest.approx(
+        got["own"]["distill"], rel=1e-3
+    )

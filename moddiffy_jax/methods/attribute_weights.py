@@ -24,6 +24,7 @@ ATTRIBUTE_WEIGHTS = (
     "adv_lambda",
     "swap_weight",
     "task_distill",
+    "swap_distill",
 )
 #: The on/off settings it can set per attribute (true / false, or 1 / 0).
 ATTRIBUTE_SWITCHES = ("swap_keep_task", "swap_keep_pivotal")

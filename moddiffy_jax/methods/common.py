@@ -758,6 +758,9 @@ def make_debias_loss(
             if not debias.swap_twin_gradient:
                 h_swapped = jax.lax.stop_gradient(h_swapped)
             changed = jnp.any(swapped != ids, axis=-1)
+            if own.swap_distill > 0.0:  # the core's decision where no word swaps
+                kl = objectives.kl_where(core_prediction(), logits, ~changed)
+                terms["distill_unswapped"] = own.swap_distill * kl
             keep = decision(h) if own.swap_keep_task else None
             if own.swap_keep_pivotal:  # only where the swap moves the core
                 twin = core_prediction(batch={**batch, "input_ids": swapped})

@@ -153,6 +153,9 @@ class DebiasSettings:
     # True: as swap_keep_task, but only on the pairs whose swap changes the
     # core's decision; every other pair keeps the whole distance.
     swap_keep_pivotal: bool = False
+    # > 0: the KL from the core's prediction, weighted so, on the rows the
+    # swap leaves unchanged (what the diff has no reason to move).
+    swap_distill: float = 0.0
     # swap_reread_mode "decision": the KL weight of an attribute switched to
     # keeping the core's decision (methods/swap_reread.py).
     swap_keep_distill: float = 3.0
@@ -605,6 +608,7 @@ _LATER_FIELDS = (
     ("swap_max_drop", 2.5),
     ("swap_keep_task", False),
     ("swap_keep_pivotal", False),
+    ("swap_distill", 0.0),
     ("swap_keep_distill", 3.0),
     ("swap_compose", False),
 )
@@ -648,6 +652,7 @@ def settings_from_config(
             )
     for key, low, high, meaning in (
         ("task_distill", 0.0, float("inf"), "0 turns the task-keeping term off"),
+        ("swap_distill", 0.0, float("inf"), "0 turns the unswapped rows' KL off"),
         ("mmd_whiten_decay", 0.0, 1.0, "the running covariance's EMA decay"),
         ("task_guard_slack", -1.0, 1.0, "an accuracy difference"),
         ("task_guard_rate", 0.0, float("inf"), "the dual step size"),

@@ -190,6 +190,12 @@ def config_fields() -> ml_collections.ConfigDict:
     # decision alone: 0.89 of its gap closed at no task cost (benchmarks/
     # synthetic_bayes.py; docs/efficacy.md, "Stop 48").
     f.swap_keep_pivotal = False
+    # > 0: each debias step also adds the KL from the core's task prediction
+    # (no diff, no gradient) to the diff's, with this weight, over the rows
+    # the swap leaves unchanged: a diff has no reason to move the decision
+    # of a text without its attribute's swapped words. On held-out samples
+    # the age diffs flipped 4-5% of such rows (docs/efficacy.md, "Stop 48").
+    f.swap_distill = 0.0
     # True (with diff.compose_prob > 0): when a debias step adds another
     # attribute's diff, its twin also swaps that attribute's words, so this
     # diff is asked not to give back what the other removed (core + both).

@@ -12,6 +12,7 @@ from moddiffy_jax.objectives.classification import (
 )
 from moddiffy_jax.objectives.counterfactual import (
     decision_moved,
+    kl_where,
     outside,
     swap_invariance_loss,
     swap_table,
@@ -63,6 +64,7 @@ __all__ = [
     "gradient_reversal",
     "task_projected",
     "decision_moved",
+    "kl_where",
     "outside",
     "swap_invariance_loss",
     "swap_table",

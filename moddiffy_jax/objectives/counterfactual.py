@@ -85,6 +85,18 @@ def decision_moved(core: jax.Array, core_twin: jax.Array) -> jax.Array:
     return jax.lax.stop_gradient(moved.astype(jnp.float32))
 
 
+def kl_where(teacher: jax.Array, logits: jax.Array, rows: jax.Array) -> jax.Array:
+    """Mean KL divergence from ``teacher`` (log-probabilities [B, C], no
+    gradient) to ``softmax(logits)`` [B, C] over the rows where ``rows`` [B]
+    (bool) is set; 0 for a batch without such rows (``swap_distill``: the
+    core's prediction kept where the swap changes no word)."""
+    student = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+    teacher = jax.lax.stop_gradient(teacher)
+    kl = jnp.sum(jnp.exp(teacher) * (teacher - student), -1)
+    w = rows.astype(jnp.float32)
+    return jnp.sum(w * kl) / jnp.maximum(jnp.sum(w), 1.0)
+
+
 def swap_invariance_loss(
     h: jax.Array,
     h_swapped: jax.Array,
