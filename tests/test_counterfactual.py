@@ -234,7 +234,6 @@ def test_the_debias_step_reads_the_swapped_twin():
         ("moddiffy_par", {"method.swap_target": 1.5}, "swap_target must be a share"),
         ("moddiffy_par", {"method.swap_max_drop": -1.0}, "swap_max_drop must be"),
         ("moddiffy_par", {"method.swap_distill": -1.0}, "swap_distill must be in"),
-        ("moddiffy_par", {"method.swap_keep_pivotal": 1}, "must be True or False"),
         ("diffprun_debias", {"method.swap_weight": 1.0}, "modular debiasing"),
     ],
 )
