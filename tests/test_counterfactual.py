@@ -170,17 +170,18 @@ def _debias_terms(ctx, attribute, debias, trainable, inputs, batch):
     return {k: float(v) for k, v in out.items() if not isinstance(v, dict)}
 
 
-def _gender_loss(ctx, swaps, **more):
+def _gender_loss(ctx, swaps, debias=None, **more):
     """The gender debias step's loss (L0 phase) with swap table ``swaps``
-    (``more``: make_debias_loss's other keywords); call it with
-    :func:`_own_tables` of the run's frozen inputs."""
+    and removal settings ``debias`` (the run's by default; ``more``:
+    make_debias_loss's other keywords); call it with :func:`_own_tables` of
+    the run's frozen inputs."""
     return common.make_debias_loss(
         ctx.model,
         ctx.method,
         "gender",
         phase="l0",
         diff_settings=ctx.diff_settings,
-        debias=ctx.debias,
+        debias=ctx.debias if debias is None else debias,
         swap_table=swaps,
         **more,
     )
@@ -376,16 +377,7 @@ def test_keep_pivotal_keeps_the_decision_only_where_the_swap_moves_it():
     table = ctx.swap_tables["gender"]
 
     def term(trainable, frozen_tree, **switches):
-        debias = dataclasses.replace(ctx.debias, **switches)
-        loss = common.make_debias_loss(
-            ctx.model,
-            ctx.method,
-            "gender",
-            phase="l0",
-            diff_settings=ctx.diff_settings,
-            debias=debias,
-            swap_table=table,
-        )
+        loss = _gender_loss(ctx, table, dataclasses.replace(ctx.debias, **switches))
         _, out = loss(trainable, _own_tables(frozen_tree), batch, jax.random.PRNGKey(1))
         return float(out["swap/gender"])
 
@@ -426,15 +418,7 @@ def test_swap_distill_is_the_task_distill_term_on_unswapped_rows():
     debias = dataclasses.replace(ctx.debias, swap_distill=2.0, task_distill=2.0)
     got = {}
     for name, swaps in (("identity", np.arange(table.size)), ("own", table)):
-        loss = common.make_debias_loss(
-            ctx.model,
-            ctx.method,
-            "gender",
-            phase="l0",
-            diff_settings=ctx.diff_settings,
-            debias=debias,
-            swap_table=swaps,
-        )
+        loss = _gender_loss(ctx, swaps, debias)
         _, terms = loss(
             state.trainable, _own_tables(frozen), batch, jax.random.PRNGKey(1)
         )
