@@ -4,10 +4,13 @@ For each composition (core + each diff, core + all) this prints its test
 accuracy, the share of test rows whose predicted class differs from the
 core's ("flips"), and, for each attribute with a swap table (the
 counterfactual swap recipe, ``objective=swap`` / ``auto``), the flips and
-the task cost (points of the whole test split) on the rows that attribute's
-swap changes and on the rows it leaves unchanged. A diff that removes by the
-swaps has a reason to move the decision only where its attribute's swapped
-words occur; flips elsewhere are collateral (docs/efficacy.md, "Stop 48").
+the task cost (points of the whole test split) on three kinds of rows: the
+rows that attribute's swap changes (its chosen counterpart words occur),
+rows with only other candidate words of the attribute (the ranked groups
+the budget did not choose), and rows with none of its candidate words. A
+diff that removes the attribute has a reason to move decisions in the
+first two; in the third, flips are collateral (docs/efficacy.md, "Stop
+48").
 
     python benchmarks/decision_flips.py RUN_DIR [RUN_DIR ...]
 
@@ -42,7 +45,17 @@ def flips(run: Path) -> list[str]:
     ids = np.asarray(ctx.data.splits["test"].input_ids)
     core = np.load(out / "core.npz")
     y, base = core["test_task"], core["test_task_pred"]
-    swapped = {a: np.any(t[ids] != ids, axis=-1) for a, t in ctx.swap_tables.items()}
+    splits = {}
+    for a, table in ctx.swap_tables.items():
+        swapped = np.any(table[ids] != ids, axis=-1)
+        ranked = (ctx.swap_ranked or {}).get(a, [])
+        words = np.concatenate([np.ravel(g) for g in ranked]) if ranked else []
+        candidate = np.isin(ids, np.asarray(words, ids.dtype)).any(-1)
+        splits[a] = {
+            f"{a} swapped": swapped,
+            f"{a} other candidates": candidate & ~swapped,
+            f"{a} no candidate": ~candidate & ~swapped,
+        }
     lines = [f"{run}: core test accuracy {(base == y).mean():.4f}"]
     for path in sorted(out.glob("core+*.npz"), key=lambda p: (len(p.stem), p.stem)):
         if "merge(" in path.stem:
@@ -52,8 +65,8 @@ def flips(run: Path) -> list[str]:
             f"{path.stem}: accuracy {(pred == y).mean():.4f}, flips "
             f"{100 * (pred != base).mean():.1f}%"
         ]
-        for a, rows in swapped.items():
-            for label, m in ((f"{a} swapped", rows), (f"{a} unswapped", ~rows)):
+        for rows in splits.values():
+            for label, m in rows.items():
                 lost = ((base == y) & m).sum() - ((pred == y) & m).sum()
                 parts.append(
                     f"{label} ({m.sum()} rows): flips "

@@ -529,6 +529,15 @@ def set_ffw_for_cpu(c: ml_collections.ConfigDict, data: str) -> None:
         c.ffw.max_gate_train_examples = 2000
 
 
+#: The fields :func:`swap_preset` sets (MoDDiffy-par: all four).
+SWAP_PRESET_FIELDS = (
+    "method.swap_weight",
+    "method.swap_target",
+    "method.swap_twin_gradient",
+    "diff.compose_prob",
+)
+
+
 def swap_preset(c: ml_collections.ConfigDict, keep_changed: bool = False) -> None:
     """``objective=swap`` (and ``auto`` where it chooses the swaps): the
     counterfactual swaps alone (docs/efficacy.md, "Stop 39"), on the groups
@@ -539,17 +548,29 @@ def swap_preset(c: ml_collections.ConfigDict, keep_changed: bool = False) -> Non
     three training seeds, and core + both at or near it).
 
     ``keep_changed`` (``auto``, applied after the command line's overrides):
-    a swap field the run set away from the method's default keeps its value.
+    a swap field the run set away from the method's default, or named in
+    ``config.method.auto_keep`` (main.py names there the ones the command
+    line set, so an explicit value equal to the default stays), keeps its
+    value.
     """
     preset = {"method.swap_weight": 10.0, "method.swap_target": 0.75}
     if c.method.name == "moddiffy_par":
         preset.update({"method.swap_twin_gradient": False, "diff.compose_prob": 0.5})
+    kept = {k.strip() for k in c.method.get("auto_keep", "").split(",") if k.strip()}
+    unknown = sorted(kept - set(SWAP_PRESET_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"config.method.auto_keep names {unknown}: it lists fields of the "
+            f"swap recipe to keep as set, some of {list(SWAP_PRESET_FIELDS)}."
+        )
     default = base_config(c.method.name) if keep_changed else None
     c.method.objective = "swap"
     c.method.fisher_weight = 0.0  # it reads the whitened MMD's statistics.
     for dotted, value in preset.items():
         group, name = dotted.split(".")
-        if default is None or c[group][name] == default[group][name]:
+        if default is None or (
+            c[group][name] == default[group][name] and dotted not in kept
+        ):
             c[group][name] = value
 
 

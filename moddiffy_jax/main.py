@@ -318,8 +318,24 @@ def compilation_cache_dir(flag: str | None, env=None) -> str:
     return os.path.join(base, "moddiffy_jax", "jax")
 
 
+def keep_command_line_swaps(fv: flags.FlagValues) -> None:
+    """Names in ``config.method.auto_keep`` the swap recipe's fields that
+    ``--config.<field>=`` set, so ``objective=auto`` keeps them as set
+    (config_lib.swap_preset), also where the value equals the default."""
+    config = fv.config
+    if "auto_keep" not in config.get("method", {}):
+        return
+    from moddiffy_jax import config_lib
+
+    given = config_flags.get_override_values(fv["config"])
+    kept = [f for f in config_lib.SWAP_PRESET_FIELDS if f in given]
+    if kept and "method.auto_keep" not in given:
+        config.method.auto_keep = ",".join(kept)
+
+
 def run(fv: flags.FlagValues = FLAGS) -> int:
     """Trains and evaluates from the parsed flags; returns the exit status."""
+    keep_command_line_swaps(fv)
     if "verbosity" not in FLAGS or not FLAGS["verbosity"].present:
         # Orbax and JAX log every checkpoint at INFO; -v 0 brings them back.
         logging.set_verbosity(logging.WARNING)

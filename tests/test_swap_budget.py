@@ -231,6 +231,41 @@ def test_auto_keeps_the_swap_fields_a_run_set():
     assert resolved.method.swap_target == 0.75 and resolved.diff.compose_prob == 0.5
 
 
+def test_auto_keeps_a_swap_field_the_command_line_set_to_its_default():
+    """An explicit ``--config.diff.compose_prob=0`` equals MoDDiffy-par's
+    default; main.py names it in ``method.auto_keep``, and the swap preset
+    keeps it (stop 47 found it replaced by 0.5). A name outside the preset's
+    fields is refused."""
+    from absl import flags
+
+    from moddiffy_jax import config_lib, main
+
+    argv = [
+        "moddiffy_jax.main",
+        "--config=configs/moddiffy_par.py",
+        "--config.diff.compose_prob=0",
+        "--workdir=/nonexistent",
+    ]
+    fv = flags.FlagValues()
+    main.define_flags(fv, argv)
+    fv(argv)
+    main.keep_command_line_swaps(fv)
+    assert fv.config.method.auto_keep == "diff.compose_prob"
+    resolved = fv.config.copy_and_resolve_references()
+    config_lib.swap_preset(resolved, keep_changed=True)
+    assert resolved.diff.compose_prob == 0.0
+    assert resolved.method.swap_weight == 10.0
+    # Without the record the preset replaces the default-valued field.
+    with resolved.unlocked():
+        resolved.method.auto_keep = ""
+    config_lib.swap_preset(resolved, keep_changed=True)
+    assert resolved.diff.compose_prob == 0.5
+    with resolved.unlocked():
+        resolved.method.auto_keep = "diff.compose_prob, diff.keep"
+    with pytest.raises(ValueError, match=r"auto_keep names \['diff.keep'\]"):
+        config_lib.swap_preset(resolved, keep_changed=True)
+
+
 def test_the_post_config_chooses_the_objective_unless_named():
     assert _par_config(method="moddiffy_post").method.objective == "auto"
     named = _par_config("objective=mmd", method="moddiffy_post")

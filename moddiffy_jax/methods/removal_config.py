@@ -22,6 +22,11 @@ def config_fields() -> ml_collections.ConfigDict:
     # at least this share of the gap to the floor within swap_max_drop
     # points; else the MMD recipe (context.resolve_objective).
     f.auto_swap_closed = 0.5
+    # Fields of that swap recipe (config_lib.SWAP_PRESET_FIELDS, comma-
+    # separated) it keeps as the run set them even where they equal the
+    # method's default; the command line (main.py) names here the ones it
+    # set, so "--config.diff.compose_prob=0" stays 0 under "auto".
+    f.auto_keep = ""
     f.adv_lambda = 1.0
     # "grl": gradient reversal (the paper); "confusion": the adversaries fit
     # detached representations and the encoder/diff pulls their prediction to
