@@ -199,12 +199,11 @@ def config_fields() -> ml_collections.ConfigDict:
     f.swap_keep_pivotal = False
     # > 0: each debias step also adds the KL from the core's task prediction
     # (no diff, no gradient) to the diff's, with this weight, over the rows
-    # the swap leaves unchanged: a diff has no reason to move the decision
-    # of a text without its attribute's swapped words. On held-out samples
-    # the age diffs flipped 3-5% of such rows. Measured at 3 on three of
-    # them (docs/efficacy.md, "Stop 48"): age's cost down 0.6-1.0 points,
-    # its removal down to a third of the gap, core + both's gender removal
-    # lost; off.
+    # the swap leaves unchanged (on the main job's data most of them carry
+    # the attribute through words the swap did not choose). Measured at 3
+    # on three held-out samples (docs/efficacy.md, "Stop 48"): age's cost
+    # down 0.6-1.0 points, its removal down to a third of the gap, core +
+    # both's gender removal lost; off.
     f.swap_distill = 0.0
     # True (with diff.compose_prob > 0): when a debias step adds another
     # attribute's diff, its twin also swaps that attribute's words, so this
