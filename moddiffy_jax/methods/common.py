@@ -696,9 +696,10 @@ def make_debias_loss(
             phase=phase,
             settings=diff_settings,
         )
+        core_on_batch = functools.cache(core_prediction)  # one pass per trace
 
         def distill(weight):
-            teacher = core_prediction()
+            teacher = core_on_batch()
             student = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
             kl = jnp.sum(jnp.exp(teacher) * (teacher - student), -1)
             return weight * jnp.mean(kl)
@@ -741,7 +742,7 @@ def make_debias_loss(
             settings=debias,
             rng=r_adv,
             train=True,
-            task=conditioning_labels(debias, batch, logits, core=core_prediction),
+            task=conditioning_labels(debias, batch, logits, core=core_on_batch),
             anchor=anchor,
         )
         if swap is not None:
@@ -759,12 +760,12 @@ def make_debias_loss(
                 h_swapped = jax.lax.stop_gradient(h_swapped)
             changed = jnp.any(swapped != ids, axis=-1)
             if own.swap_distill > 0.0:  # the core's decision where no word swaps
-                kl = objectives.kl_where(core_prediction(), logits, ~changed)
+                kl = objectives.kl_where(core_on_batch(), logits, ~changed)
                 terms["distill_unswapped"] = own.swap_distill * kl
             keep = decision(h) if own.swap_keep_task else None
             if own.swap_keep_pivotal:  # only where the swap moves the core
                 twin = core_prediction(batch={**batch, "input_ids": swapped})
-                moved = objectives.decision_moved(core_prediction(), twin)
+                moved = objectives.decision_moved(core_on_batch(), twin)
                 keep = decision(h) * moved[:, None, None]
             if keep is None and switched is not None:  # 0: no direction kept
                 keep = decision(h) * switched
