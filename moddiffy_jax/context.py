@@ -167,6 +167,9 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
         found,
         swap_ranked,
     )
+    debias, swap_reads = _gap_weights(
+        config, debias, dataset, attributes, attr_classes, swap_groups, swap_reads
+    )
     if config.method.task_loss == "conf_reg":
         dataset = _with_teacher_probs(config, dataset, model)
     mesh = parallel.make_mesh(config.num_devices or None)
@@ -262,6 +265,64 @@ def _swaps(
         groups_of[attr] = [np.asarray(g, np.int64) for g in groups]
         tables[attr] = objectives.swap_table(groups_of[attr], table.shape[0])
     return groups_of, tables, reads or None
+
+
+def _gap_weights(config, debias, dataset, attributes, attr_classes, groups, reads):
+    """``config.method.swap_gap_reference > 0``: each swapped attribute's
+    swap weight in proportion to its read gap (methods/swap_budget.gap_weight),
+    except where ``attribute_weights`` names the attribute's ``swap_weight``;
+    the weight and the gap are recorded in the attribute's read (results.json
+    ``swap_reads``). The read is deterministic, so a resumed run gets the same
+    weights. Returns ``(debias, reads)``."""
+    from moddiffy_jax.methods import attribute_weights, swap_budget
+
+    reference = float(config.method.get("swap_gap_reference", 0.0))
+    if not reference > 0.0 or not groups:
+        if reference < 0.0:
+            raise ValueError(
+                "config.method.swap_gap_reference must be >= 0 (0: every "
+                f"attribute at swap_weight), got {reference}."
+            )
+        return debias, reads
+    reads = dict(reads or {})
+    table = {a: dict(w) for a, w in debias.attribute_weights.items()}
+    for attr in attributes:
+        if attr not in groups:
+            continue
+        if attr in reads:
+            choice = reads[attr]
+            gap = float(choice["reads"][0]["leakage"]) - float(choice["floor"])
+        else:  # swap_target 0: every group swapped, the no-group read alone.
+            if "dev" not in dataset.splits:
+                raise ValueError(
+                    "config.method.swap_gap_reference > 0 reads each attribute's "
+                    "gap on the dev split; this dataset has none: set "
+                    "swap_gap_reference=0 or give the data a dev split."
+                )
+            choice = _read_groups(
+                dataset, attr, groups[attr], attr_classes, debias, every=True
+            )
+            gap = swap_budget.read_gap(choice)
+            choice = {"floor": choice.floor, "reads": [choice.to_json()["reads"][0]]}
+        own = attribute_weights.for_attribute(debias, attr).swap_weight
+        given = "swap_weight" in table.get(attr, {})
+        weight = own if given else swap_budget.gap_weight(own, gap, reference)
+        table.setdefault(attr, {})["swap_weight"] = weight
+        reads[attr] = {
+            **choice,
+            "gap": round(gap, 4),
+            "swap_weight": round(weight, 3),
+            "swap_weight_from": "attribute_weights" if given else "gap",
+        }
+        logging.info(
+            "swap weight for %s: %.2f (read gap %.3f, reference %.3f%s)",
+            attr,
+            weight,
+            gap,
+            reference,
+            ", set in attribute_weights" if given else "",
+        )
+    return dataclasses.replace(debias, attribute_weights=table), reads
 
 
 def _counterpart_groups(dataset, attr, table, fields) -> list:

@@ -270,3 +270,53 @@ def test_the_post_config_chooses_the_objective_unless_named():
     assert _par_config(method="moddiffy_post").method.objective == "auto"
     named = _par_config("objective=mmd", method="moddiffy_post")
     assert named.method.objective == "mmd"
+
+
+def test_the_gap_reference_sets_each_attributes_swap_weight_from_its_read():
+    assert swap_budget.gap_weight(10.0, 0.2, 0.08) == pytest.approx(25.0)
+    assert swap_budget.gap_weight(10.0, 0.0, 0.08) == pytest.approx(2.5)  # low end
+    assert swap_budget.gap_weight(10.0, 1.0, 0.08) == pytest.approx(40.0)  # high end
+    overrides = {
+        "method.swap_weight": 10.0,
+        "method.swap_target": 0.5,
+        "data.synthetic.num_train": 2000,
+    }
+    plain = train.build_context(tiny("moddiffy_par", **overrides))
+    assert plain.debias.attribute_weights == {}
+    scaled = train.build_context(
+        tiny(
+            "moddiffy_par",
+            **overrides,
+            **{
+                "method.swap_gap_reference": 0.1,
+                "method.attribute_weights": "gender: swap_weight=3",
+            },
+        )
+    )
+    weights = scaled.debias.attribute_weights
+    # gender keeps the weight attribute_weights gives it.
+    assert weights["gender"]["swap_weight"] == 3.0
+    assert scaled.swap_reads["gender"]["swap_weight_from"] == "attribute_weights"
+    read = scaled.swap_reads["age"]
+    gap = read["reads"][0]["leakage"] - read["floor"]
+    assert read["gap"] == pytest.approx(gap, abs=1e-4) and gap > 0.02
+    assert weights["age"]["swap_weight"] == pytest.approx(
+        swap_budget.gap_weight(10.0, gap, 0.1), rel=1e-6
+    )
+    assert read["swap_weight_from"] == "gap"
+    # The groups and their reads are the plain run's.
+    assert read["chosen"] == plain.swap_reads["age"]["chosen"]
+    # swap_target 0 (every group): the no-group read alone gives the gap.
+    every = train.build_context(
+        tiny(
+            "moddiffy_par",
+            **{**overrides, "method.swap_target": 0.0},
+            **{"method.swap_gap_reference": 0.1},
+        )
+    )
+    assert every.swap_reads["age"]["gap"] == pytest.approx(read["gap"], abs=1e-4)
+    assert len(every.swap_reads["age"]["reads"]) == 1
+    with pytest.raises(ValueError, match="swap_gap_reference must be >= 0"):
+        train.build_context(
+            tiny("moddiffy_par", **overrides, **{"method.swap_gap_reference": -1.0})
+        )

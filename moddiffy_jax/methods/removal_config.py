@@ -146,6 +146,13 @@ def config_fields() -> ml_collections.ConfigDict:
     # samples: the choice where the task cost is what fails.
     f.swap_target = 0.0
     f.swap_max_drop = 2.5
+    # > 0: each swapped attribute's swap weight is swap_weight times its read
+    # gap (the all-words bag-of-tokens read's leakage on dev minus the
+    # floor) over this reference, the ratio kept within [0.25, 4]
+    # (methods/swap_budget.gap_weight); an attribute whose swap_weight
+    # attribute_weights names keeps that. Chosen before training, from the
+    # data alone; recorded in results.json's swap_reads. 0: off.
+    f.swap_gap_reference = 0.0
     # > 0 (with swap_target > 0): at this share of the run's steps, read each
     # attribute's trained diff on the dev split (task accuracy; a fresh
     # linear probe fit on the first swap_reread_train training rows), scale

@@ -247,3 +247,31 @@ def calibrated(
         )
         for r in reads
     ]
+
+
+#: The range :func:`gap_weight` keeps an attribute's scale of the swap
+#: weight in (a read gap near 0 or far past the reference is a poor guide).
+GAP_SCALE_RANGE = (0.25, 4.0)
+
+
+def read_gap(choice: GroupChoice) -> float:
+    """The gap the swaps are to close, as the read sees it: the all-words
+    read's leakage (no group merged) minus the attribute's floor."""
+    return float(choice.reads[0].leakage) - float(choice.floor)
+
+
+def gap_weight(weight: float, gap: float, reference: float) -> float:
+    """``config.method.swap_gap_reference``: the swap weight of an attribute
+    whose read gap is ``gap``, for a recipe whose weight ``weight`` suits a
+    gap of ``reference`` (both in balanced accuracy): ``weight`` times
+    ``gap / reference``, the ratio kept within :data:`GAP_SCALE_RANGE`.
+
+    Why in proportion: the twin distance is in units of the batch's spread
+    and is driven near 0 within the first tens of steps for every attribute
+    (docs/efficacy.md, "Stop 49"); what is left for the probes is what the
+    unswapped words and the context carry, and the task term's pull that
+    keeps it grows with the gap. Measured on the main job's generator
+    (stop 48): gender (read gap 0.07-0.09) at the recipe's 10, age (0.20-
+    0.23) wanted 30."""
+    low, high = GAP_SCALE_RANGE
+    return float(weight) * min(max(gap / float(reference), low), high)
