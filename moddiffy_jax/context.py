@@ -258,6 +258,8 @@ def _swaps(
                 choice.reason,
             )
             reads[attr] = choice.to_json()
+            if choice.order:  # swap_order "efficiency"
+                groups = [groups[i] for i in choice.order]
             if ranked is not None:
                 ranked[attr] = [np.asarray(g, np.int64) for g in groups]
             groups = groups[: choice.chosen]
@@ -337,11 +339,22 @@ def _counterpart_groups(dataset, attr, table, fields) -> list:
     return token_merge.counterpart_groups(train, attr, ranked, table)
 
 
+#: ``config.method.swap_order``: the ranked groups' prefixes, or
+#: methods/swap_budget.efficient_order's.
+SWAP_ORDERS = ("rank", "efficiency")
+
+
 def _read_groups(dataset, attr, groups, attr_classes, fields, every=False):
     """methods/swap_budget.choose_groups of ``groups`` (train and dev);
     ``every``: the reads of no group and of every group only."""
     from moddiffy_jax.methods import swap_budget
 
+    order = getattr(fields, "swap_order", "rank")
+    if order not in SWAP_ORDERS:
+        raise ValueError(
+            f"config.method.swap_order={order!r} is not one of {SWAP_ORDERS} "
+            "(the order the swap groups' prefixes are read in)."
+        )
     return swap_budget.choose_groups(
         dataset.splits["train"],
         dataset.splits["dev"],
@@ -352,6 +365,7 @@ def _read_groups(dataset, attr, groups, attr_classes, fields, every=False):
         target=fields.swap_target,
         max_drop=fields.swap_max_drop,
         counts=(0, len(groups)) if every else None,
+        efficient=order == "efficiency" and not every,
     )
 
 

@@ -320,3 +320,75 @@ def test_the_gap_reference_sets_each_attributes_swap_weight_from_its_read():
         train.build_context(
             tiny("moddiffy_par", **overrides, **{"method.swap_gap_reference": -1.0})
         )
+
+
+def _costly_first(n, seed):
+    """Attribute counterparts 3/4 in the examples without a task word (there
+    they are the task's only evidence, through the attribute, which equals
+    the label 85% of the time) and 5/6 in those with one: merging either
+    hides the attribute in half the examples, merging 3/4 costs the task
+    far more."""
+    rng = np.random.default_rng(seed)
+    task = rng.integers(0, 2, n)
+    attr = np.where(rng.random(n) < 0.85, task, 1 - task)
+    has_word = rng.random(n) < 0.5
+    word = np.where(has_word, np.where(rng.random(n) < 0.9, task, 1 - task) + 1, 0)
+    costly = np.where(~has_word, 3 + attr, 0)
+    cheap = np.where(has_word, 5 + attr, 0)
+    return _split(np.column_stack([word, costly, cheap]), task, attr)
+
+
+def test_the_efficiency_order_takes_the_group_that_removes_most_per_task_point():
+    train_split, dev = _costly_first(4000, 0), _costly_first(4000, 1)
+    groups = [[3, 4], [5, 6]]  # the costly group ranked first
+    kw = {"num_task_classes": 2, "num_attr_classes": 2}
+    ranked, _ = swap_budget.read_prefixes(train_split, dev, "a", groups, **kw)
+    assert ranked[1].cost > 5.0  # the first ranked group is expensive
+    reads, floor, order = swap_budget.efficient_order(
+        train_split, dev, "a", groups, target=0.3, max_drop=20.0, **kw
+    )
+    assert order == (1, 0) and len(reads) == 2  # one group taken, the target met
+    assert reads[1].closed >= 0.3 and reads[1].cost < ranked[1].cost - 3.0
+    choice = swap_budget.choose_groups(
+        train_split, dev, "a", groups, target=0.3, max_drop=20.0, efficient=True, **kw
+    )
+    assert choice.order == (1, 0) and choice.chosen == 1
+    # Where the rank order's choice is as good, it stays (order empty).
+    plain = swap_budget.choose_groups(
+        train_split,
+        dev,
+        "a",
+        groups[::-1],
+        target=0.3,
+        max_drop=20.0,
+        efficient=True,
+        **kw,
+    )
+    assert plain.order == () and plain.chosen == 1
+    # A budget no single group fits: the first ranked group, over budget.
+    over = swap_budget.efficient_order(
+        train_split, dev, "a", groups, target=0.3, max_drop=-100.0, **kw
+    )
+    assert over[2] == (0, 1) and len(over[0]) == 2
+
+
+def test_the_efficiency_order_reaches_the_swap_tables_and_a_bad_order_is_named():
+    overrides = {
+        "method.swap_weight": 10.0,
+        "method.swap_target": 0.75,
+        "data.synthetic.num_train": 2000,
+        "method.swap_order": "efficiency",
+    }
+    ctx = train.build_context(tiny("moddiffy_par", **overrides))
+    ranked = train.build_context(
+        tiny("moddiffy_par", **{**overrides, "method.swap_order": "rank"})
+    )
+    for attr, read in ctx.swap_reads.items():
+        order = read["order"] or list(range(len(ctx.swap_ranked[attr])))
+        for kept, i in zip(ctx.swap_groups[attr], order, strict=False):
+            np.testing.assert_array_equal(kept, ranked.swap_ranked[attr][i])
+        assert len(ctx.swap_groups[attr]) == read["chosen"]
+    with pytest.raises(ValueError, match="swap_order='best' is not one of"):
+        train.build_context(
+            tiny("moddiffy_par", **{**overrides, "method.swap_order": "best"})
+        )

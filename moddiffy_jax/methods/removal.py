@@ -147,6 +147,7 @@ class DebiasSettings:
     # points (methods/swap_budget.py); 0: every group.
     swap_target: float = 0.0
     swap_max_drop: float = 2.5
+    swap_order: str = "rank"  # or "efficiency" (swap_budget.efficient_order)
     # True: the swap distance leaves out the directions that move the task
     # head's decision (objectives/counterfactual.swap_invariance_loss).
     swap_keep_task: bool = False
@@ -606,6 +607,7 @@ _LATER_FIELDS = (
     ("swap_twin_gradient", True),
     ("swap_target", 0.0),
     ("swap_max_drop", 2.5),
+    ("swap_order", "rank"),
     ("swap_keep_task", False),
     ("swap_keep_pivotal", False),
     ("swap_distill", 0.0),

@@ -153,6 +153,11 @@ def config_fields() -> ml_collections.ConfigDict:
     # attribute_weights names keeps that. Chosen before training, from the
     # data alone; recorded in results.json's swap_reads. 0: off.
     f.swap_gap_reference = 0.0
+    # The order the groups' prefixes are read and chosen in: "rank" (by how
+    # well their words tell the attribute) or "efficiency" (greedily by
+    # the gap each closes per task point in the read; about k times as many
+    # reads for k groups taken: methods/swap_budget.efficient_order).
+    f.swap_order = "rank"
     # > 0 (with swap_target > 0): at this share of the run's steps, read each
     # attribute's trained diff on the dev split (task accuracy; a fresh
     # linear probe fit on the first swap_reread_train training rows), scale

@@ -62,6 +62,9 @@ class GroupChoice:
     max_drop: float
     reads: tuple[PrefixRead, ...]
     reason: str
+    # The groups' order the prefixes follow, as indices into the ranked
+    # groups (empty: the rank order; :func:`efficient_order`).
+    order: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -140,18 +143,18 @@ def _predict(w: np.ndarray, x: scipy.sparse.csr_matrix) -> np.ndarray:
     return np.asarray(x @ w[:-1] + w[-1]).argmax(1)
 
 
-def read_prefixes(
+def reader(
     train: Any,
     dev: Any,
     attribute: str,
-    groups: Sequence[Sequence[int]],
     *,
     num_task_classes: int,
     num_attr_classes: int,
-    counts: Sequence[int] | None = None,
-) -> tuple[list[PrefixRead], float]:
-    """The read of every prefix of ``groups`` (0 .. all; ``counts``: only
-    those numbers of groups, 0 first), and the floor."""
+) -> tuple[Any, float]:
+    """``(read, floor)``: ``read(merged)`` fits the task and the attribute
+    reads with each group of ``merged`` made one token and returns their dev
+    task accuracy and attribute balanced accuracy; ``floor`` is the
+    attribute's floor on dev."""
     columns = np.unique(
         np.asarray(train.input_ids)[np.asarray(train.attention_mask) > 0]
     )
@@ -166,19 +169,46 @@ def read_prefixes(
         num_task_classes=num_task_classes,
         num_attr_classes=num_attr_classes,
     )
-    raw = []
-    for k in range(len(groups) + 1) if counts is None else counts:
-        x_tr, x_dev = (bag_of_tokens(s, groups[:k], columns) for s in (train, dev))
+
+    def read(merged: Sequence[Sequence[int]]) -> tuple[float, float]:
+        x_tr, x_dev = (bag_of_tokens(s, merged, columns) for s in (train, dev))
         task_w = fit_logistic(x_tr, task_tr, num_task_classes)
         attr_w = fit_logistic(x_tr, attr_tr, num_attr_classes, balanced=True)
         accuracy = float((_predict(task_w, x_dev) == task_dev).mean())
         leak = metrics.balanced_accuracy(
             attr_dev, _predict(attr_w, x_dev), num_attr_classes
         )
-        raw.append((k, accuracy, float(leak)))
+        return accuracy, float(leak)
+
+    return read, float(floor)
+
+
+def read_prefixes(
+    train: Any,
+    dev: Any,
+    attribute: str,
+    groups: Sequence[Sequence[int]],
+    *,
+    counts: Sequence[int] | None = None,
+    **kw: Any,
+) -> tuple[list[PrefixRead], float]:
+    """The read of every prefix of ``groups`` (0 .. all; ``counts``: only
+    those numbers of groups, 0 first), and the floor (``num_task_classes``
+    and ``num_attr_classes`` in ``kw``, as :func:`reader`'s)."""
+    read, floor = reader(train, dev, attribute, **kw)
+    raw = [
+        (k, *read(groups[:k]))
+        for k in (range(len(groups) + 1) if counts is None else counts)
+    ]
+    return _scaled(raw, floor), floor
+
+
+def _scaled(raw: Sequence[tuple[int, float, float]], floor: float) -> list[PrefixRead]:
+    """``(groups, accuracy, leakage)`` triples, the first with no group
+    merged, as reads against the first."""
     _, base_acc, base_leak = raw[0]
     gap = base_leak - floor
-    reads = [
+    return [
         PrefixRead(
             groups=k,
             task_accuracy=round(acc, 4),
@@ -188,7 +218,64 @@ def read_prefixes(
         )
         for k, acc, leak in raw
     ]
-    return reads, float(floor)
+
+
+#: The smallest cost (task points) :func:`efficient_order` divides a
+#: group's removal by: a read's cost is noisy at a few dev examples, and a
+#: group that costs nothing would otherwise win on noise alone.
+MIN_COST = 0.25
+
+
+def efficient_order(
+    train: Any,
+    dev: Any,
+    attribute: str,
+    groups: Sequence[Sequence[int]],
+    *,
+    target: float,
+    max_drop: float,
+    **kw: Any,
+) -> tuple[list[PrefixRead], float, tuple[int, ...]]:
+    """The groups in the order of their removal per task point, greedily:
+    from no group merged, each step reads every group left added to those
+    taken and takes the one whose read closes the most of the gap per point
+    of task accuracy lost (the cost at least :data:`MIN_COST`) among those
+    whose read costs at most ``max_drop`` points, until a read closes
+    ``target`` of the gap or none is within ``max_drop`` (where none is from
+    the start, the first ranked group, as the rank order's choice takes it);
+    the groups not taken follow in rank order, unread. The reads are the
+    taken prefixes' (as :func:`read_prefixes`'s are the ranked ones');
+    returns them, the floor and the order (indices into ``groups``).
+
+    About ``k * len(groups)`` reads for ``k`` groups taken instead of
+    ``len(groups) + 1``. The rank order (:func:`read_prefixes`) takes the
+    groups by how well their words tell the attribute; on the main job's
+    data a group that tells it well can cost the task as much as it removes
+    (docs/efficacy.md, "Stop 49")."""
+
+    read, floor = reader(train, dev, attribute, **kw)
+    raw, taken = [(0, *read([]))], []
+    left = list(range(len(groups)))
+    while left:
+        here = _scaled(raw, floor)[-1]
+        reads = []
+        for i in left:
+            acc, leak = read([groups[j] for j in [*taken, i]])
+            r = _scaled([raw[0], (len(taken) + 1, acc, leak)], floor)[-1]
+            gain = (r.closed - here.closed) / max(r.cost - here.cost, MIN_COST)
+            reads.append((gain, i, acc, leak, r))
+        fits = [c for c in reads if c[4].cost <= max_drop]
+        if not fits and taken:
+            break
+        # None fits from the start: the first ranked group, as the rank
+        # order's choice would take it (over budget).
+        _, i, acc, leak, r = max(fits, key=lambda c: c[0]) if fits else reads[0]
+        taken.append(i)
+        left.remove(i)
+        raw.append((len(taken), acc, leak))
+        if r.closed >= target or not fits:
+            break
+    return _scaled(raw, floor), floor, (*taken, *left)
 
 
 def choose_count(
@@ -212,10 +299,24 @@ def choose_groups(
     """Reads every prefix of ``groups`` (:func:`read_prefixes`, whose
     ``num_task_classes`` and ``num_attr_classes`` go in ``kw``) and chooses
     how many to swap (:func:`choose_count`, ``target`` and ``max_drop`` in
-    ``kw``)."""
+    ``kw``); ``efficient=True`` in ``kw``: also reads
+    :func:`efficient_order`'s order and takes its choice where it is better
+    (reaches the target at less cost, or closes more within the budget;
+    the choice's ``order`` then names it and its reads are that order's)."""
     target, max_drop = kw.pop("target"), kw.pop("max_drop")
+    order = ()
+    efficient = kw.pop("efficient", False)
     reads, floor = read_prefixes(train, dev, attribute, groups, **kw)
     chosen, reason = choose_count(reads, target, max_drop)
+    order = ()
+    if efficient:
+        kw.pop("counts", None)
+        greedy, _, greedy_order = efficient_order(
+            train, dev, attribute, groups, target=target, max_drop=max_drop, **kw
+        )
+        count, why = choose_count(greedy, target, max_drop)
+        if _better(greedy[count], why, reads[chosen], reason):
+            reads, chosen, reason, order = greedy, count, why, greedy_order
     return GroupChoice(
         attribute=attribute,
         chosen=chosen,
@@ -224,7 +325,22 @@ def choose_groups(
         max_drop=max_drop,
         reads=tuple(reads),
         reason=reason,
+        order=tuple(int(i) for i in order),
     )
+
+
+def _better(a: PrefixRead, why_a: str, b: PrefixRead, why_b: str) -> bool:
+    """Whether choice ``a`` beats ``b``: reaching the target beats not;
+    between two that reach it the cheaper wins, between two that do not the
+    one within budget that closes more (ties: ``b``)."""
+    reach_a, reach_b = why_a == "target", why_b == "target"
+    if reach_a != reach_b:
+        return reach_a
+    if reach_a:
+        return a.cost < b.cost
+    if (why_a == "budget") != (why_b == "budget"):
+        return why_a == "budget"
+    return a.closed > b.closed
 
 
 def calibrated(
