@@ -226,6 +226,7 @@ def _swaps(
             "text encoder): set it to 0."
         )
     table = np.asarray(table)
+    _swap_order(debias)  # named before any read, also where none is made
     groups_of, tables, reads = {}, {}, {}
     for attr in attributes:
         if attribute_weights.for_attribute(debias, attr).swap_weight <= 0.0:
@@ -344,17 +345,23 @@ def _counterpart_groups(dataset, attr, table, fields) -> list:
 SWAP_ORDERS = ("rank", "efficiency")
 
 
-def _read_groups(dataset, attr, groups, attr_classes, fields, every=False):
-    """methods/swap_budget.choose_groups of ``groups`` (train and dev);
-    ``every``: the reads of no group and of every group only."""
-    from moddiffy_jax.methods import swap_budget
-
+def _swap_order(fields) -> str:
+    """``fields.swap_order``, or a ValueError naming the allowed ones."""
     order = getattr(fields, "swap_order", "rank")
     if order not in SWAP_ORDERS:
         raise ValueError(
             f"config.method.swap_order={order!r} is not one of {SWAP_ORDERS} "
             "(the order the swap groups' prefixes are read in)."
         )
+    return order
+
+
+def _read_groups(dataset, attr, groups, attr_classes, fields, every=False):
+    """methods/swap_budget.choose_groups of ``groups`` (train and dev);
+    ``every``: the reads of no group and of every group only."""
+    from moddiffy_jax.methods import swap_budget
+
+    order = _swap_order(fields)
     return swap_budget.choose_groups(
         dataset.splits["train"],
         dataset.splits["dev"],

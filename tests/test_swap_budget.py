@@ -388,7 +388,15 @@ def test_the_efficiency_order_reaches_the_swap_tables_and_a_bad_order_is_named()
         for kept, i in zip(ctx.swap_groups[attr], order, strict=False):
             np.testing.assert_array_equal(kept, ranked.swap_ranked[attr][i])
         assert len(ctx.swap_groups[attr]) == read["chosen"]
-    with pytest.raises(ValueError, match="swap_order='best' is not one of"):
-        train.build_context(
-            tiny("moddiffy_par", **{**overrides, "method.swap_order": "best"})
-        )
+    for target in (0.75, 0.0):  # also where no prefix is read
+        with pytest.raises(ValueError, match="swap_order='best' is not one of"):
+            train.build_context(
+                tiny(
+                    "moddiffy_par",
+                    **{
+                        **overrides,
+                        "method.swap_order": "best",
+                        "method.swap_target": target,
+                    },
+                )
+            )
