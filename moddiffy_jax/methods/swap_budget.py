@@ -304,7 +304,6 @@ def choose_groups(
     (reaches the target at less cost, or closes more within the budget;
     the choice's ``order`` then names it and its reads are that order's)."""
     target, max_drop = kw.pop("target"), kw.pop("max_drop")
-    order = ()
     efficient = kw.pop("efficient", False)
     reads, floor = read_prefixes(train, dev, attribute, groups, **kw)
     chosen, reason = choose_count(reads, target, max_drop)
