@@ -173,6 +173,10 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # "task_minus_leakage" (that minus select_leakage_weight x the mean fresh
     # dev leakage of each attribute's own configuration; best.py).
     c.train.select_metric = "task"
+    # >= 0: export the running mean of the parameters over the last phase's
+    # steps after this share of them (tail weight averaging; averaging.py);
+    # -1: the last step's parameters.
+    c.train.average_from = -1.0
     c.train.select_leakage_weight = 1.0
     # How each phase's train step compiles. "step": one program (XLA overlaps
     # the sub-steps' work; the fastest step). "substeps": one program per

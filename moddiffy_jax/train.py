@@ -34,8 +34,8 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from moddiffy_jax import averaging, checkpoints, parallel
 from moddiffy_jax import best as best_lib
-from moddiffy_jax import checkpoints, parallel
 from moddiffy_jax import workdir as workdir_lib
 from moddiffy_jax.config_lib import resolve_epochs
 from moddiffy_jax.context import Context, build_context
@@ -191,6 +191,7 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
 
     wall_start = time.time()
     best_lib.check_select(config)
+    averaging.check(config)  # train.average_from
     step_jit_mode(config)  # a bad train.step_jit fails before anything runs
     compile_ahead_on(config)  # and a bad train.compile_ahead
     requested = config  # what config.json holds; phases in epochs resolve below
@@ -248,6 +249,7 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
         restored_state = latest
         logging.info("Resuming from step %d (phase %s).", latest, meta["phase"])
 
+    averaged = None  # train.average_from: which steps the export averages
     ahead: _Ahead | None = None  # the next phase's step, compiling meanwhile
     total_steps = sum(method.phase_steps(config, p) for p in phases)
     reread_at = swap_reread.read_step(ctx, total_steps)  # method.swap_reread_at
@@ -256,7 +258,15 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     try:
         for pi in range(phase_index, len(phases)):
             phase = phases[pi]
-            state, substeps = _phase_state(ctx, method, phase, trainable, global_step)
+            n_steps = method.phase_steps(config, phase)
+            # train.average_from: the last phase's running mean, kept in the
+            # state so that a resume averages the same steps.
+            average_from = (
+                averaging.first_step(config, n_steps) if pi == len(phases) - 1 else None
+            )
+            state, substeps = _phase_state(
+                ctx, method, phase, trainable, global_step, average_from is not None
+            )
             # On the mesh first: the restore then lands on the same global
             # shardings (on every process of a multi-process run).
             state = parallel.replicate(state, ctx.mesh)
@@ -269,7 +279,6 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
                 step_fn, record = ahead.step_fn(step_fn, state, frozen, step_rng)
                 writer.write(global_step, record)
                 ahead = None
-            n_steps = method.phase_steps(config, phase)
             ahead_asked = False
             logger.restart(global_step)
             while phase_step < n_steps:
@@ -283,6 +292,8 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
                 )
                 if record is not None:
                     writer.write(global_step, {"phase": phase, **record})
+                if average_from is not None and phase_step >= average_from:
+                    state = averaging.update(state, phase_step - average_from + 1)
                 if global_step == reread_at:  # the swap groups chosen again
                     frozen, record = swap_reread.reread(
                         ctx,
@@ -348,7 +359,14 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
                     logger.start = time.time()  # throughput excludes eval
                 if stop:
                     raise Preempted(global_step, stop)
-            trainable = jax.device_get(state.trainable)
+            if average_from is not None:  # the mean is what the run exports
+                trainable = jax.device_get(averaging.result(state))
+                averaged = {
+                    "from_step": global_step - n_steps + average_from,
+                    "steps": n_steps - average_from + 1,
+                }
+            else:
+                trainable = jax.device_get(state.trainable)
             frozen = jax.device_get(frozen)
             if pi + 1 < len(phases):
                 next_phase = phases[pi + 1]
@@ -390,6 +408,8 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     results = export_and_evaluate(
         ctx, evaluator, workdir, trainable, frozen, phases[-1], reps
     )
+    if averaged is not None:
+        selected = {"rule": "average", **averaged}
     results["selected"] = selected
     results["phase_steps"] = {p: method.phase_steps(config, p) for p in phases}
     if ctx.word_tokens is not None:  # config.diff.word_rows
@@ -457,7 +477,11 @@ class _Ahead:
             start = time.time()
             try:
                 tr, fr = method.transition(ctx, trainable, frozen, next_phase)
-                st, substeps = _phase_state(ctx, method, next_phase, tr, 0)
+                average = (
+                    averaging.share(config) is not None
+                    and next_phase == method.phases_of(config)[-1]
+                )
+                st, substeps = _phase_state(ctx, method, next_phase, tr, 0, average)
                 st, fr = parallel.replicate((st, fr), ctx.mesh)
                 lowered = compile_step(config, substeps).lower(st, fr, batch, rng)
                 ahead.program = (_program_key(lowered), lowered.compile())
@@ -496,17 +520,26 @@ class _Ahead:
         return lowered.compile(), record
 
 
-def _phase_state(ctx, method, phase: str, trainable, global_step: int):
-    """A phase's fresh train state (new optimizer states) and its sub-steps."""
+def _phase_state(
+    ctx, method, phase: str, trainable, global_step: int, average: bool = False
+):
+    """A phase's fresh train state (new optimizer states) and its sub-steps;
+    with ``average``, an empty running mean of the parameters beside them
+    (averaging.py)."""
     substeps = common.schedule_substeps(
         method.substeps(ctx, phase, trainable),
         ctx.config.optim,
         method.phase_steps(ctx.config, phase),
     )
+    opt_states = common.init_opt_states(substeps, trainable)
+    if average:
+        if averaging.KEY in opt_states:
+            raise ValueError(f"a sub-step may not be named {averaging.KEY!r}")
+        opt_states[averaging.KEY] = averaging.init(trainable)
     state = common.TrainState(
         step=jnp.asarray(global_step, jnp.int32),
         trainable=trainable,
-        opt_states=common.init_opt_states(substeps, trainable),
+        opt_states=opt_states,
     )
     return state, substeps
 
