@@ -57,7 +57,7 @@ def sample(n, rng, corr, label_noise, marker_prob):
 def _cells(columns):
     key = np.zeros(len(columns[0]), np.int64)
     for c in columns:
-        key = key * 4 + c
+        key = key * (int(c.max()) + 1) + c
     return np.unique(key, return_inverse=True)[1]
 
 
@@ -97,6 +97,9 @@ def main() -> None:
     y, t, values, seen = sample(args.n, rng, corr, args.label_noise, args.marker_prob)
     g, a = seen["gender"], seen["age"]
     decision = decide([t, g, a], y)
+    # The posterior P(y | t, g, a) itself (a code per distinct value): what a
+    # continuous logit holds, against the decision's one bit.
+    posterior = _posterior_code([t, g, a], y)
     rows = [
         ("t, g, a (all cues)", [t, g, a]),
         ("t, a (gender left out)", [t, a]),
@@ -109,6 +112,9 @@ def main() -> None:
         ("t, a, g unless g moves y*", [t, a, _unless_pivotal(t, g, a, decision, 1)]),
         ("t, g, a unless a moves y*", [t, g, _unless_pivotal(t, g, a, decision, 2)]),
         ("t, markers present, y*", [t, g < 2, a < 2, decision]),
+        ("P(y | t, g, a) alone", [posterior]),
+        ("t, g, P(y | t, g, a)", [t, g, posterior]),
+        ("t, a, P(y | t, g, a)", [t, a, posterior]),
     ]
     print("| representation holds | task accuracy | gender leakage | age leakage |")
     print("|---|---|---|---|")
@@ -122,6 +128,16 @@ def main() -> None:
     if args.curve:
         curve(rng, y, t, values, seen)
         joint(rng, y, t, values, seen)
+
+
+def _posterior_code(columns, target):
+    """Each example's P(target = 1 | its cell of ``columns``), as the index
+    of that value among the distinct ones (cells with equal posteriors share
+    a code): a representation that holds the posterior, as a logit does."""
+    cells = _cells(columns)
+    count = np.bincount(cells)
+    rate = np.bincount(cells, weights=target) / np.maximum(count, 1)
+    return np.unique(np.round(rate, 9), return_inverse=True)[1][cells]
 
 
 def _unless_pivotal(t, g, a, decision, which):

@@ -430,3 +430,28 @@ def test_swap_distill_is_the_task_distill_term_on_unswapped_rows():
     assert got["own"]["distill_unswapped"] != pytest.approx(
         got["own"]["distill"], rel=1e-3
     )
+
+
+def test_task_target_core_decision_fits_the_cores_argmax_not_the_gold_label():
+    """With the head's bias set so that the core decides class 0 on every
+    row, the gold labels cost the diff's task term ~1e4 on the rows labelled
+    1, and the core's decisions (``task_target="core_decision"``) nothing."""
+    ctx, _, state, frozen, batch = _first_step(
+        "moddiffy_par", **{"method.swap_weight": 1.0}
+    )
+    assert 0 < int(np.sum(batch["task"])) < batch["task"].size  # both labels
+    trainable = _with_head_bias(state.trainable, [1e4, 0.0])
+    frozen = _own_tables(_with_head_bias(frozen, [1e4, 0.0]))
+    got = {}
+    for target in ("gold", "core_decision"):
+        debias = dataclasses.replace(ctx.debias, task_target=target)
+        loss = _gender_loss(ctx, ctx.swap_tables["gender"], debias)
+        _, terms = loss(trainable, frozen, batch, jax.random.PRNGKey(1))
+        got[target] = float(terms["task"])
+    assert got["gold"] > 100.0
+    assert got["core_decision"] < 1e-3
+
+
+def test_a_bad_task_target_names_the_choices():
+    with pytest.raises(ValueError, match="task_target='label'.*core_decision"):
+        train.build_context(tiny("moddiffy_par", **{"method.task_target": "label"}))

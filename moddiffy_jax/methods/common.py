@@ -698,17 +698,19 @@ def make_debias_loss(
         )
         core_on_batch = functools.cache(core_prediction)  # one pass per trace
 
-        def distill(weight):
-            teacher = core_on_batch()
-            student = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
-            kl = jnp.sum(jnp.exp(teacher) * (teacher - student), -1)
-            return weight * jnp.mean(kl)
+        def distill(weight):  # the mean KL from the core's prediction
+            every = jnp.ones(logits.shape[:1], bool)
+            return weight * objectives.kl_where(core_on_batch(), logits, every)
 
         if own.task_distill > 0.0:
             terms["distill"] = distill(own.task_distill)
+        if own.task_target == "core_decision":  # not the gold labels
+            labels = jnp.argmax(core_on_batch(), -1).astype(batch["task"].dtype)
+            terms["task"] = task_loss_value(
+                task_loss, logits, {**batch, "task": labels}
+            )
         # 1 once methods/swap_reread.py switched the attribute to keeping the
-        # core's decision (swap_reread_mode "decision"); the core's forward
-        # runs only then.
+        # core's decision (swap_reread_mode "decision"; the core runs then).
         switched = frozen.get(swap_reread.KEEP_KEY, {}).get(attribute)
         if switched is not None and own.swap_keep_distill > 0.0:
             terms["distill_kept"] = jax.lax.cond(

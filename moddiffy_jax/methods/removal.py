@@ -41,6 +41,7 @@ MMD_CONDITIONS = ("stratify", "reweight", "residual", "auto", "none")
 CONDITION_ON = ("label", "prediction", "core_prediction")
 #: Groups whose pooled scatter the whitened MMD reads (DebiasSettings).
 WHITEN_WITHIN = ("attribute", "cell")
+TASK_TARGETS = ("gold", "core_decision")  # what the debias steps' task term fits
 #: ``mmd_conditional="auto"`` stratifies an attribute when the smallest
 #: (task class, attribute value) cell of the training data is expected to
 #: hold at least this many members per batch, and reweights it otherwise.
@@ -81,6 +82,9 @@ class DebiasSettings:
     # divergence from the core's own (undebiased, stop-gradient) task
     # prediction to the prediction with the diff. 0 = off.
     task_distill: float = 0.0
+    # The debias steps' task labels: "gold", or the core's own decision (its
+    # argmax, no gradient): a target that is a function of the input.
+    task_target: str = "gold"
     # Task guard (dual ascent on a task constraint): each diff's removal
     # weight is scaled by exp(-backoff); the backoff rises while the diff's
     # running task accuracy on the training batches trails the core's by
@@ -586,6 +590,7 @@ _LATER_FIELDS = (
     ("mmd_whiten_shrinkage", 0.1),
     ("mmd_whiten_within", "cell"),
     ("task_distill", 0.0),
+    ("task_target", "gold"),
     ("task_guard", False),
     ("task_guard_slack", 0.01),
     ("task_guard_rate", 1.0),
@@ -647,6 +652,7 @@ def settings_from_config(
         ("mmd_whiten_within", WHITEN_WITHIN),
         ("target_mode", objectives.TARGET_MODES),
         ("condition_on", CONDITION_ON),
+        ("task_target", TASK_TARGETS),
     ):
         if fields[key] not in valid:
             raise ValueError(

@@ -98,6 +98,13 @@ def config_fields() -> ml_collections.ConfigDict:
     # task prediction (no diff, no gradient) to the prediction with the diff,
     # so removing an attribute does not remove the task with it. 0 = off.
     f.task_distill = 0.0
+    # The modular debias steps' task labels: "gold", or "core_decision" (the
+    # core's argmax on the batch, no gradient). The decision is a function of
+    # the input, so where a swap leaves it unchanged the twins share their
+    # label and the task term does not ask to keep the attribute's words; the
+    # gold labels ask for the calibrated posterior, which holds them
+    # (benchmarks/synthetic_bayes.py: the posterior alone leaks everything).
+    f.task_target = "gold"
     # Task guard: each diff's removal weight backs off (down to 1 %) while the
     # diff's running accuracy on the training batches trails the core's by
     # more than the slack, and comes back while it does not (dual ascent on
