@@ -160,7 +160,10 @@ def config_fields() -> ml_collections.ConfigDict:
     # attribute_weights names keeps that. Chosen before training, from the
     # data alone; recorded in results.json's swap_reads. 0: off. Measured
     # at 0.075 on held-out samples (docs/efficacy.md, "Stop 49"): within
-    # the run-to-run spread of the default; off.
+    # the run-to-run spread of the default by passes; on nine paired runs
+    # (stop 50) age's removal 0.69 of its gap against 0.38 at the same
+    # cost (2.6 points), passes unchanged, one gender diff collapsed to a
+    # constant predictor (weight 11.6); off until a guard against that.
     f.swap_gap_reference = 0.0
     # The order the groups' prefixes are read and chosen in: "rank" (by how
     # well their words tell the attribute) or "efficiency" (greedily by
