@@ -105,7 +105,7 @@ CASES = [
     Case(
         "typo'd config key",
         lambda t, w: [TINY, "--config.train.stepz=3"],
-        r"config.train has no field 'stepz'.*fields of config.train: batch_size",
+        r"config.train has no field 'stepz'.*fields of config.train: .*\bbatch_size, ",
     ),
     Case(
         "unknown config argument",
