@@ -170,6 +170,7 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
     debias, swap_reads = _gap_weights(
         config, debias, dataset, attributes, attr_classes, swap_groups, swap_reads
     )
+    debias = _guard_start(config, debias, len(dataset.splits["train"]))
     if config.method.task_loss == "conf_reg":
         dataset = _with_teacher_probs(config, dataset, model)
     mesh = parallel.make_mesh(config.num_devices or None)
@@ -268,6 +269,23 @@ def _swaps(
         groups_of[attr] = [np.asarray(g, np.int64) for g in groups]
         tables[attr] = objectives.swap_table(groups_of[attr], table.shape[0])
     return groups_of, tables, reads or None
+
+
+def _guard_start(config, debias, num_train):
+    """``config.method.task_guard_start_share > 0``: the task guard's start
+    step, that share of the L0 phase's steps (train.*epochs resolved)."""
+    share = float(config.method.get("task_guard_start_share", 0.0))
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(
+            "config.method.task_guard_start_share must be in [0, 1] (a share "
+            f"of the L0 phase's steps; 0: task_guard_start), got {share}."
+        )
+    if debias is None or share == 0.0 or "l0_steps" not in config.train:
+        return debias
+    from moddiffy_jax import config_lib
+
+    steps = config_lib.resolve_epochs(config, num_train).train.l0_steps
+    return dataclasses.replace(debias, task_guard_start=round(share * steps))
 
 
 def _gap_weights(config, debias, dataset, attributes, attr_classes, groups, reads):

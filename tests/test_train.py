@@ -190,6 +190,7 @@ def test_unknown_attribute_and_method(tmp_path):
         ("task_guard_decay", 1.0, "task_guard_decay must be in"),
         ("task_guard_rate", -1.0, "task_guard_rate must be in"),
         ("task_guard_start", -1, "task_guard_start must be >= 0"),
+        ("task_guard_start_share", 1.5, "task_guard_start_share must be in"),
         ("attribute_weights", "race: mmd_weight=1", "not an attribute this run"),
         ("fisher_weight", -1.0, "fisher_weight must be >= 0"),
         ("fisher_decay", 1.0, "fisher_decay must be in"),
@@ -202,6 +203,30 @@ def test_unknown_attribute_and_method(tmp_path):
 def test_bad_removal_settings_are_named(key, value, message):
     with pytest.raises(ValueError, match=message):
         train.build_context(tiny("moddiffy_par", **{f"method.{key}": value}))
+
+
+def test_task_guard_start_share_is_a_share_of_the_l0_phase():
+    """The guard's start from a share of the L0 phase, counted after the
+    phases' epochs are resolved, and task_guard_start itself where it is 0."""
+    base = {"method.task_guard": True, "train.l0_steps": 40}
+    ctx = train.build_context(
+        tiny("moddiffy_par", **base, **{"method.task_guard_start_share": 0.25})
+    )
+    assert ctx.debias.task_guard_start == 10
+    own = {"method.task_guard_start": 7}
+    assert (
+        train.build_context(tiny("moddiffy_par", **base, **own)).debias.task_guard_start
+        == 7
+    )
+    per_epoch = -(-len(ctx.data.splits["train"]) // ctx.config.train.batch_size)
+    epochs = train.build_context(
+        tiny(
+            "moddiffy_par",
+            **base,
+            **{"method.task_guard_start_share": 0.5, "train.l0_epochs": 2.0},
+        )
+    )
+    assert epochs.debias.task_guard_start == round(0.5 * 2 * per_epoch)
 
 
 def test_configs_are_locked_and_arguments_checked():

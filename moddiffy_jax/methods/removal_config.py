@@ -118,6 +118,10 @@ def config_fields() -> ml_collections.ConfigDict:
     # reaches the budget the dense diffs trail the core by 10-36 points at
     # any removal weight, and a guard from step 0 gives the removal up.
     f.task_guard_start = 0
+    # The same start as a share of the L0 phase's steps (after train.*epochs
+    # are resolved), used instead of task_guard_start where > 0: a schedule
+    # of another length keeps the guard off through the same part of pruning.
+    f.task_guard_start_share = 0.0
     f.freeze_task_head = False  # in modular debias steps.
     # What the task-conditional removal terms condition on: "label" (the
     # gold task label), "prediction" (the model's own predicted class) or
