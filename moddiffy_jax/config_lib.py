@@ -533,12 +533,16 @@ def set_ffw_for_cpu(c: ml_collections.ConfigDict, data: str) -> None:
         c.ffw.max_gate_train_examples = 2000
 
 
-#: The fields :func:`swap_preset` sets (MoDDiffy-par: all four).
+#: The fields :func:`swap_preset` sets (MoDDiffy-par: all of them).
 SWAP_PRESET_FIELDS = (
     "method.swap_weight",
     "method.swap_target",
     "method.swap_twin_gradient",
     "diff.compose_prob",
+    "method.swap_gap_reference",
+    "method.task_guard",
+    "method.task_guard_slack",
+    "method.task_guard_start_share",
 )
 
 
@@ -549,7 +553,12 @@ def swap_preset(c: ml_collections.ConfigDict, keep_changed: bool = False) -> Non
     ("Stop 40": every group costs the task all the words are worth). In
     MoDDiffy-par the twin is a fixed target and each diff trains with the
     others added half the time ("Stop 41": both diffs past the bar on
-    three training seeds, and core + both at or near it).
+    three training seeds, and core + both at or near it), each attribute's
+    swap weight follows its read gap and a task guard with a 10-point slack
+    (from two thirds of the L0 phase) backs off a diff that leaves the task
+    ("Stop 51": age's removal nearly doubled at the same cost over nine
+    paired runs; the guard keeps one run's gender diff from collapsing to a
+    constant predictor and leaves runs it does not act on bit for bit).
 
     ``keep_changed`` (``auto``, applied after the command line's overrides):
     a swap field the run set away from the method's default, or named in
@@ -560,6 +569,15 @@ def swap_preset(c: ml_collections.ConfigDict, keep_changed: bool = False) -> Non
     preset = {"method.swap_weight": 10.0, "method.swap_target": 0.75}
     if c.method.name == "moddiffy_par":
         preset.update({"method.swap_twin_gradient": False, "diff.compose_prob": 0.5})
+        preset["method.swap_gap_reference"] = 0.075
+        if not c.diff.get("freeze_core_in_fixmask", False):  # the guard reads
+            preset.update(  # the core's accuracy from its task step.
+                {
+                    "method.task_guard": True,
+                    "method.task_guard_slack": 0.1,
+                    "method.task_guard_start_share": 2 / 3,
+                }
+            )
     kept = {k.strip() for k in c.method.get("auto_keep", "").split(",") if k.strip()}
     unknown = sorted(kept - set(SWAP_PRESET_FIELDS))
     if unknown:

@@ -413,6 +413,43 @@ def test_attributes_debias_sub_steps_trace_once_and_match_the_whole_step():
     assert any(not np.array_equal(x, y) for x, y in zip(gender, age, strict=True))
 
 
+def test_the_swap_recipes_task_guard_leaves_a_step_it_does_not_act_on_unchanged():
+    """MoDDiffy-par's swap recipe turns the task guard on from two thirds of
+    the L0 phase (tiny: 4 steps, from step 3); before that, and wherever the
+    diff keeps within the slack, its weight is exactly 1 and the step equals
+    the unguarded one bit for bit."""
+    on = _first_step("moddiffy_par", arg="objective=swap")
+    off = _first_step(
+        "moddiffy_par", arg="objective=swap", **{"method.task_guard": False}
+    )
+    assert on[0].debias.task_guard and on[0].debias.task_guard_start == 3
+    assert on[0].debias.swap_weight > 0 and not off[0].debias.task_guard
+    new = []
+    for _ctx, substeps, state, frozen, batch in (on, off):
+        step = jax.jit(common.make_train_step(substeps))
+        new.append(step(state, frozen, batch, jax.random.PRNGKey(0))[0].trainable)
+    for part in ("core", "diffs"):
+        for x, y in zip(
+            jax.tree.leaves(new[0][part]), jax.tree.leaves(new[1][part]), strict=True
+        ):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # A frozen core in fixmask has no task step to read the core from: where
+    # the recipe follows the overrides (objective auto) it leaves the guard
+    # off; objective=swap sets it first, and the clash names the fix.
+    from moddiffy_jax import config_lib
+
+    config = tiny("moddiffy_par", **{"diff.freeze_core_in_fixmask": True})
+    resolved = config.copy_and_resolve_references()
+    config_lib.swap_preset(resolved, keep_changed=True)
+    assert resolved.method.swap_gap_reference == 0.075
+    assert not resolved.method.task_guard
+    config = tiny(
+        "moddiffy_par", "objective=swap", **{"diff.freeze_core_in_fixmask": True}
+    )
+    with pytest.raises(ValueError, match="turn one of them off"):
+        train.build_context(config)
+
+
 def test_a_frozen_core_in_fixmask_drops_the_task_sub_step():
     ctx, substeps, state, frozen, batch = _first_step(
         "moddiffy_par", **{"diff.freeze_core_in_fixmask": True}

@@ -226,6 +226,10 @@ def test_auto_keeps_the_swap_fields_a_run_set():
     assert resolved.method.swap_weight == 10.0
     assert resolved.method.swap_twin_gradient is False
     assert resolved.method.objective == "swap"
+    # MoDDiffy-par: the gap rule and the task guard (stop 51).
+    assert resolved.method.swap_gap_reference == 0.075
+    assert resolved.method.task_guard and resolved.method.task_guard_slack == 0.1
+    assert resolved.method.task_guard_start_share == pytest.approx(2 / 3)
     # objective=swap (before the overrides) sets every field.
     config_lib.swap_preset(resolved)
     assert resolved.method.swap_target == 0.75 and resolved.diff.compose_prob == 0.5
