@@ -25,7 +25,10 @@ than half of its gap under every probe within 2 points on every seed
 0.63-0.73 / 0.57-0.72 at 1.2-1.8); core + both keeps both past half on
 seeds 0 and 2 and 0.46-0.48 on seed 1, at 1.8-2.6 points. On another
 data sample (data.seed=2, one run) it misses: gender at -2.4 points, age
-0.46 / 0.49.
+0.46 / 0.49. Since stop 51 the swap recipe weights each attribute's swap
+term by its read gap and guards the task (docs/efficacy.md, "Stop 51"):
+seed 0 gender 0.83 / 0.93 at -1.2, age 0.76 / 0.75 at -1.9, core + both
+0.73 / 0.76 and 0.63 / 0.62 at -2.2 (floors 0.892, 0.748; chance 0.5).
 Measured with the MMD recipe (2-core CPU, 2026-11-24, stop 14; scikit-learn probes of the
 standardized representations; BENCHMARKS.md, docs/efficacy.md): over
 training seeds 0, 1, 2 the gender diff closes 0.59 ± 0.33 / 0.81 ± 0.26

@@ -167,7 +167,10 @@ def config_fields() -> ml_collections.ConfigDict:
     # the run-to-run spread of the default by passes; on nine paired runs
     # (stop 50) age's removal 0.69 of its gap against 0.38 at the same
     # cost (2.6 points), passes unchanged, one gender diff collapsed to a
-    # constant predictor (weight 11.6); off until a guard against that.
+    # constant predictor (weight 11.6). Since stop 51 MoDDiffy-par's swap
+    # recipe sets 0.075 with the task guard at a 10-point slack from two
+    # thirds of the L0 phase, which turns that collapse into a diff that
+    # removes nothing; 0 here (other methods and objectives).
     f.swap_gap_reference = 0.0
     # The order the groups' prefixes are read and chosen in: "rank" (by how
     # well their words tell the attribute) or "efficiency" (greedily by
