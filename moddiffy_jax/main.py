@@ -112,6 +112,10 @@ def format_results(results: dict) -> str:
         from moddiffy_jax.eval.report import objective_line
 
         lines.append(objective_line(results["objective_choice"]))
+    if "task_guard" in results:
+        from moddiffy_jax.eval.report import guard_line
+
+        lines.append(guard_line(results["task_guard"]))
     if "composition" not in results:  # FFW on images: its own before/after table
         lines += format_ffw(results)
         if "wall_time_s" in results:

@@ -408,6 +408,8 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     results = export_and_evaluate(
         ctx, evaluator, workdir, trainable, frozen, phases[-1], reps
     )
+    if "task_guard" in trainable:  # config.method.task_guard: where it ended
+        results["task_guard"] = guard_summary(ctx.debias, trainable["task_guard"])
     if averaged is not None:
         selected = {"rule": "average", **averaged}
     results["selected"] = selected
@@ -656,3 +658,17 @@ def _word_row_tokens(config, tokens) -> dict[str, list[str]]:
     for attr, words in described.items():
         logging.info("diff %s may change the word rows of: %s", attr, " ".join(words))
     return described
+
+
+def guard_summary(debias: Any, state: Mapping[str, Any]) -> dict[str, Any]:
+    """The task guard's settings and each diff's removal weight at the end
+    (``exp(-backoff)``: 1 where the guard let the removal be, down to 0.01
+    where the diff trailed the core's task accuracy past the slack)."""
+    weights = {
+        a: round(math.exp(-float(s["backoff"])), 4) for a, s in state["attrs"].items()
+    }
+    return {
+        "slack": debias.task_guard_slack,
+        "start_step": debias.task_guard_start,
+        "final_weight": weights,
+    }

@@ -433,6 +433,18 @@ def test_the_swap_recipes_task_guard_leaves_a_step_it_does_not_act_on_unchanged(
             jax.tree.leaves(new[0][part]), jax.tree.leaves(new[1][part]), strict=True
         ):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # results.json and the printed table say where the guard left each diff.
+    from moddiffy_jax.eval.report import guard_line
+
+    guard = common.set_part(
+        new[0], ("task_guard", "attrs", "age", "backoff"), jnp.asarray(np.log(4.0))
+    )["task_guard"]
+    summary = train.guard_summary(on[0].debias, guard)
+    assert summary["final_weight"] == {"gender": 1.0, "age": 0.25}
+    assert summary["start_step"] == 3 and summary["slack"] == 0.1
+    line = guard_line(summary)
+    assert "age 0.25 (backed off" in line and "gender 1.00" in line
+    assert "gender 1.00 (" not in line and "from step 3" in line
     # A frozen core in fixmask has no task step to read the core from: where
     # the recipe follows the overrides (objective auto) it leaves the guard
     # off; objective=swap sets it first, and the clash names the fix.

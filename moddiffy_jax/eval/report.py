@@ -49,6 +49,19 @@ def objective_line(choice: Mapping[str, Any]) -> str:
     )
 
 
+def guard_line(guard: Mapping[str, Any]) -> str:
+    """Where the task guard left each diff's removal weight."""
+    weights = ", ".join(
+        f"{a} {w:.2f}"
+        + (" (backed off: its diff trailed the core's task)" if w < 0.99 else "")
+        for a, w in guard["final_weight"].items()
+    )
+    return (
+        f"task guard (slack {guard['slack']:.2f} of task accuracy, from step "
+        f"{guard['start_step']}): removal weight at the end {weights}"
+    )
+
+
 def format_report(results: Mapping[str, Any]) -> str:
     """The composition table as Markdown (one row per configuration).
 
@@ -79,6 +92,8 @@ def format_report(results: Mapping[str, Any]) -> str:
     ]
     if results.get("objective_choice"):
         lines += [objective_line(results["objective_choice"]), ""]
+    if "task_guard" in results:
+        lines += [guard_line(results["task_guard"]), ""]
     if bias_splits:
         lines += [
             "`aligned` / `conflicting`: task accuracy on the examples whose "
