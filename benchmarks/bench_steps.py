@@ -105,6 +105,7 @@ def run_one(
     scan_layers: bool = False,
     attention: str = "xla",
     attention_dropout: float = -1.0,
+    compiler_options: dict | None = None,
 ):
     """Measures one configuration in this process; returns a dict.
 
@@ -115,6 +116,9 @@ def run_one(
     the paper's (and the reference code's) removal step, "mmd" or "" for the
     library's default recipe. ``attention`` and ``attention_dropout`` are
     ``config.model``'s (the kernel; a negative dropout keeps the model's).
+    ``compiler_options``: XLA DebugOptions fields for the step's compile
+    (``jax.jit(..., compiler_options=...)``; some, such as
+    ``xla_gpu_command_buffer_update_mode``, are not ``XLA_FLAGS`` flags).
     """
     import resource
 
@@ -165,7 +169,14 @@ def run_one(
     from moddiffy_jax.data import TrainIterator
 
     it = TrainIterator(ctx.data.splits["train"], batch_size=batch, seed=0)
-    step = train.compile_step(config, substeps)
+    if compiler_options:
+        step = jax.jit(
+            common.make_train_step(substeps),
+            donate_argnums=(0,),
+            compiler_options=compiler_options,
+        )
+    else:
+        step = train.compile_step(config, substeps)
     rng = jax.random.PRNGKey(1)
     t0 = time.perf_counter()
     state, metrics = step(state, frozen, next(it), rng)
@@ -208,6 +219,7 @@ def run_one(
         "scan_layers": scan_layers,
         "attention": attention,
         "attention_dropout": attention_dropout,
+        "compiler_options": compiler_options or {},
         "substeps": [s.name for s in substeps],
         "compile_s": round(compile_s, 2),
         "step_s_median": round(median, 4),

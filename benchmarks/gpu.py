@@ -91,6 +91,7 @@ def step_row(
     scan_layers=False,
     attention="xla",
     attention_dropout=-1.0,
+    compiler_options=None,
 ) -> dict:
     row = bench_steps.run_one(
         method,
@@ -105,6 +106,7 @@ def step_row(
         scan_layers=scan_layers,
         attention=attention,
         attention_dropout=attention_dropout,
+        compiler_options=compiler_options,
     )
     with open(os.path.join(bench_steps._bert_base_dir(), "config.json")) as f:
         cfg = json.load(f)
@@ -202,8 +204,20 @@ def main():
     parser.add_argument(
         "--trace", default="", help="folder for a jax.profiler trace of each step"
     )
+    parser.add_argument(
+        "--compiler_option",
+        action="append",
+        default=[],
+        help="KEY=VALUE, an XLA DebugOptions field for the train step's compile "
+        "(repeatable), e.g. xla_gpu_command_buffer_update_mode=1: in jax 0.11.2 "
+        "that field is not an XLA_FLAGS flag, and its enum takes numbers",
+    )
     parser.add_argument("--out", default="benchmarks/results_gpu.jsonl")
     args = parser.parse_args()
+    options = {
+        k: {"true": True, "false": False}.get(v.lower(), v)
+        for k, v in (o.split("=", 1) for o in args.compiler_option)
+    }
 
     stamp, machine = bench_steps.stamp_and_machine()
     kind = jax.devices()[0].device_kind
@@ -248,6 +262,7 @@ def main():
                     scan,
                     attention,
                     dropout,
+                    options or None,
                 )
             except Exception as e:  # report and go on to the next configuration
                 print(f"{label} failed: {e!r}", flush=True)
