@@ -139,6 +139,25 @@ def test_task_guard_backs_off_removal_while_the_diff_costs_the_task():
     )
     assert float(moved["backoff"]) > 0.2
 
+    # task_guard_release: the step while the gap is under the slack (the
+    # weight coming back) is that many times larger; over it, unchanged.
+    quick = dataclasses.replace(settings, task_guard_release=4.0)
+    held = {"gap": jnp.asarray(0.3), "backoff": jnp.asarray(2.0)}
+    for core, diff in ((0.9, 0.9), (0.9, 0.4)):
+        slow = removal.guard_update(held, core, diff, settings)
+        fast = removal.guard_update(held, core, diff, quick)
+        np.testing.assert_allclose(slow["gap"], fast["gap"])
+        step_slow = float(slow["backoff"]) - 2.0
+        step_fast = float(fast["backoff"]) - 2.0
+        if float(slow["gap"]) < settings.task_guard_slack:
+            raise AssertionError("the first case must stay over the slack")
+        np.testing.assert_allclose(step_fast, step_slow, rtol=1e-6)
+    under = {"gap": jnp.asarray(0.0), "backoff": jnp.asarray(2.0)}
+    slow = removal.guard_update(under, 0.9, 0.9, settings)
+    fast = removal.guard_update(under, 0.9, 0.9, quick)
+    np.testing.assert_allclose(float(slow["backoff"]), 2.0 - 2.0 * 0.01, rtol=1e-6)
+    np.testing.assert_allclose(float(fast["backoff"]), 2.0 - 4 * 2.0 * 0.01, rtol=1e-6)
+
     ctx, substeps, state, frozen, batch = _first_step(
         "moddiffy_par", **{"method.task_guard": True}
     )

@@ -189,6 +189,7 @@ def test_unknown_attribute_and_method(tmp_path):
         ("task_distill", -1.0, "task_distill must be in"),
         ("task_guard_decay", 1.0, "task_guard_decay must be in"),
         ("task_guard_rate", -1.0, "task_guard_rate must be in"),
+        ("task_guard_release", -1.0, "task_guard_release must be in"),
         ("task_guard_start", -1, "task_guard_start must be >= 0"),
         ("task_guard_start_share", 1.5, "task_guard_start_share must be in"),
         ("attribute_weights", "race: mmd_weight=1", "not an attribute this run"),

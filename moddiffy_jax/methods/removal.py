@@ -28,7 +28,10 @@ from moddiffy_jax.methods.attribute_weights import (
     for_attribute,
     parse_attribute_weights,
 )
-from moddiffy_jax.methods.removal_config import config_fields  # noqa: F401 (re-exported)
+from moddiffy_jax.methods.removal_config import (  # noqa: F401 (re-exported)
+    LATER_FIELDS,
+    config_fields,
+)
 from moddiffy_jax.methods.terms import INFO_KEY, STATE_KEY
 from moddiffy_jax.objectives import mmd as objectives_mmd
 
@@ -94,6 +97,9 @@ class DebiasSettings:
     task_guard_rate: float = 1.0
     task_guard_decay: float = 0.9
     task_guard_max: float = 4.6  # the removal weight never falls below 1 %.
+    # The step size's factor while the gap is within the slack (the weight
+    # coming back): 1 = the same dual step both ways.
+    task_guard_release: float = 1.0
     # The backoff stays at 0 before this step (the running gap is tracked from
     # step 0): a dense diff early in the L0 phase trails the core whatever the
     # removal weight, until pruning brings it to its budget.
@@ -503,13 +509,16 @@ def guard_update(
 
     ``gap`` is an EMA of (core accuracy - diff accuracy) on the training
     batches; ``backoff`` (the log of the factor the removal weight is divided
-    by) moves by ``rate * (gap - slack)`` and stays in ``[0, max]``; before
+    by) moves by ``rate * (gap - slack)`` (times ``release`` while the gap is
+    under the slack) and stays in ``[0, max]``; before
     train step ``task_guard_start`` it stays where it is (``step`` None: a
     loss called outside the train step, the guard moves).
     """
     d = settings.task_guard_decay
     gap = d * state["gap"] + (1.0 - d) * (core_acc - diff_acc)
-    move = settings.task_guard_rate * (gap - settings.task_guard_slack)
+    excess = gap - settings.task_guard_slack
+    back = jnp.where(excess < 0.0, settings.task_guard_release, 1.0)
+    move = settings.task_guard_rate * back * excess
     if settings.task_guard_start > 0 and step is not None:
         move = jnp.where(jnp.asarray(step) >= settings.task_guard_start, move, 0.0)
     backoff = jnp.clip(state["backoff"] + move, 0.0, settings.task_guard_max)
@@ -579,48 +588,6 @@ def warmed_up(
     return scaled(removed, ramp, settings)
 
 
-#: Removal settings added after the first runs, with the behaviour a run
-#: whose config.json lacks them was trained with.
-_LATER_FIELDS = (
-    ("adv_loss", "grl"),
-    ("mmd_kernel", "gaussian"),
-    ("mmd_conditional", "none"),
-    ("mmd_whiten", False),
-    ("mmd_whiten_decay", 0.98),
-    ("mmd_whiten_shrinkage", 0.1),
-    ("mmd_whiten_within", "cell"),
-    ("task_distill", 0.0),
-    ("task_target", "gold"),
-    ("task_guard", False),
-    ("task_guard_slack", 0.01),
-    ("task_guard_rate", 1.0),
-    ("task_guard_decay", 0.9),
-    ("task_guard_start", 0),
-    ("fisher_weight", 0.0),
-    ("fisher_decay", 0.95),
-    ("removal_warmup_steps", 0),
-    ("target_weight", 0.0),
-    ("target_decay", 0.9),
-    ("target_mode", "shift"),
-    ("removal_memory", 0),
-    ("attribute_weights", ""),
-    ("task_projection", False),
-    ("condition_on", "label"),
-    ("swap_weight", 0.0),
-    ("swap_candidates", 64),
-    ("swap_share", 0.1),
-    ("swap_twin_gradient", True),
-    ("swap_target", 0.0),
-    ("swap_max_drop", 2.5),
-    ("swap_order", "rank"),
-    ("swap_keep_task", False),
-    ("swap_keep_pivotal", False),
-    ("swap_distill", 0.0),
-    ("swap_keep_distill", 3.0),
-    ("swap_compose", False),
-)
-
-
 def settings_from_config(
     method: Any,
     *,
@@ -641,7 +608,7 @@ def settings_from_config(
             f"config.method.objective={method.objective!r} is not one of "
             f"{DEBIAS_OBJECTIVES}."
         )
-    fields = {key: method.get(key, old) for key, old in _LATER_FIELDS}
+    fields = {key: method.get(key, old) for key, old in LATER_FIELDS}
     fields["attribute_weights"] = parse_attribute_weights(
         fields["attribute_weights"], list(attr_classes)
     )
@@ -665,6 +632,7 @@ def settings_from_config(
         ("task_guard_slack", -1.0, 1.0, "an accuracy difference"),
         ("task_guard_rate", 0.0, float("inf"), "the dual step size"),
         ("task_guard_decay", 0.0, 1.0, "the running gap's EMA decay"),
+        ("task_guard_release", 0.0, float("inf"), "the step factor coming back"),
         ("fisher_decay", 0.0, 1.0, "the running mean differences' EMA decay"),
         ("target_decay", 0.0, 1.0, "the running cell means' EMA decay"),
     ):

@@ -113,6 +113,9 @@ def config_fields() -> ml_collections.ConfigDict:
     f.task_guard_slack = 0.01
     f.task_guard_rate = 1.0
     f.task_guard_decay = 0.9
+    # The dual step's factor while a diff is back within the slack (the
+    # weight's return; 1: as fast as it backed off for the same distance).
+    f.task_guard_release = 1.0
     # The step the guard starts moving the weights at (0: from the start).
     # Measured on MiniLM (docs/efficacy.md, "Stop 23"): until gradual pruning
     # reaches the budget the dense diffs trail the core by 10-36 points at
@@ -246,3 +249,46 @@ def config_fields() -> ml_collections.ConfigDict:
     f.swap_compose = False
     f.adversary = ml_collections.ConfigDict({"members": 5, "hidden": 1, "dropout": 0.3})
     return f
+
+
+#: Removal settings added after the first runs, with the behaviour a run
+#: whose config.json lacks them was trained with.
+LATER_FIELDS = (
+    ("adv_loss", "grl"),
+    ("mmd_kernel", "gaussian"),
+    ("mmd_conditional", "none"),
+    ("mmd_whiten", False),
+    ("mmd_whiten_decay", 0.98),
+    ("mmd_whiten_shrinkage", 0.1),
+    ("mmd_whiten_within", "cell"),
+    ("task_distill", 0.0),
+    ("task_target", "gold"),
+    ("task_guard", False),
+    ("task_guard_slack", 0.01),
+    ("task_guard_rate", 1.0),
+    ("task_guard_decay", 0.9),
+    ("task_guard_release", 1.0),
+    ("task_guard_start", 0),
+    ("fisher_weight", 0.0),
+    ("fisher_decay", 0.95),
+    ("removal_warmup_steps", 0),
+    ("target_weight", 0.0),
+    ("target_decay", 0.9),
+    ("target_mode", "shift"),
+    ("removal_memory", 0),
+    ("attribute_weights", ""),
+    ("task_projection", False),
+    ("condition_on", "label"),
+    ("swap_weight", 0.0),
+    ("swap_candidates", 64),
+    ("swap_share", 0.1),
+    ("swap_twin_gradient", True),
+    ("swap_target", 0.0),
+    ("swap_max_drop", 2.5),
+    ("swap_order", "rank"),
+    ("swap_keep_task", False),
+    ("swap_keep_pivotal", False),
+    ("swap_distill", 0.0),
+    ("swap_keep_distill", 3.0),
+    ("swap_compose", False),
+)
