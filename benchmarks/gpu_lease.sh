@@ -12,12 +12,13 @@
 # XLA's GPU autotuning and Triton GEMMs off unless XLA_FLAGS is set: with
 # the defaults the MoDDiffy-par step had not compiled after 4.5 minutes
 # (stop 29, docs/speed.md). Output goes to $OUT (the device tool's folder).
-# Stop 52's open question (docs/speed.md): the MoDDiffy-par step with XLA's
-# update-free command buffers (a DebugOptions field, not an XLA_FLAGS flag),
-# in a call that leaves 400 s for the compile:
+# Stop 52's open questions (docs/speed.md): the pipelined MoDDiffy-par step
+# with the smaller optimizer state (role_partition.py), then with XLA's
+# update-free command buffers (a DebugOptions field, not an XLA_FLAGS flag);
+# each call leaves 400 s for the compile:
 #   PROBES=0 BUDGET=450 bash benchmarks/gpu_lease.sh run --batch 256
 #   --methods moddiffy_par --dtypes bfloat16 --attention cudnn:0 --steps 10
-#   --no_compose --compiler_option xla_gpu_command_buffer_update_mode=1
+#   --no_compose [--compiler_option xla_gpu_command_buffer_update_mode=1]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in

@@ -136,9 +136,21 @@ class RunCheckpointer:
 
     def restore_state(self, step: int, target: Any) -> Any:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
-        out = self.manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-        )
+        try:
+            out = self.manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+            )
+        except ValueError as e:
+            if "tree structures do not match" not in str(e):
+                raise
+            raise ValueError(
+                f"The train state saved at step {step} in {self.directory} has "
+                "another layout than this version of the library builds (the "
+                "optimizer state changed at stop 52: per-role states hold only "
+                "their own leaves). Resume it with the version that wrote it, or "
+                "start again in a new workdir; the saved files are left as they "
+                f"are. Orbax: {str(e)[:300]}"
+            ) from e
         return out["state"]
 
     def wait(self) -> None:

@@ -42,7 +42,7 @@ from moddiffy_jax.context import Context, build_context
 from moddiffy_jax.eval.during import evaluate_during
 from moddiffy_jax.eval.evaluator import Evaluator
 from moddiffy_jax.export import export_and_evaluate
-from moddiffy_jax.methods import common, swap_reread
+from moddiffy_jax.methods import common, removal, swap_reread
 from moddiffy_jax.workdir import (
     MetricWriter,
     Preempted,
@@ -408,8 +408,8 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     results = export_and_evaluate(
         ctx, evaluator, workdir, trainable, frozen, phases[-1], reps
     )
-    if "task_guard" in trainable:  # config.method.task_guard: where it ended
-        results["task_guard"] = guard_summary(ctx.debias, trainable["task_guard"])
+    if removal.TASK_GUARD in trainable:  # config.method.task_guard: where it ended
+        results["task_guard"] = guard_summary(ctx.debias, trainable[removal.TASK_GUARD])
     if averaged is not None:
         selected = {"rule": "average", **averaged}
     results["selected"] = selected
@@ -670,5 +670,6 @@ def guard_summary(debias: Any, state: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "slack": debias.task_guard_slack,
         "start_step": debias.task_guard_start,
+        "release": debias.task_guard_release,
         "final_weight": weights,
     }

@@ -461,6 +461,7 @@ def test_the_swap_recipes_task_guard_leaves_a_step_it_does_not_act_on_unchanged(
     summary = train.guard_summary(on[0].debias, guard)
     assert summary["final_weight"] == {"gender": 1.0, "age": 0.25}
     assert summary["start_step"] == 3 and summary["slack"] == 0.1
+    assert summary["release"] == 1.0
     line = guard_line(summary)
     assert "age 0.25 (backed off" in line and "gender 1.00" in line
     assert "gender 1.00 (" not in line and "from step 3" in line

@@ -49,6 +49,7 @@ from moddiffy_jax.methods.diff_parts import (
     others_present,
     with_other_diffs,
 )
+from moddiffy_jax.methods.role_partition import role_partition
 
 # The step machinery lives in steps.py; these names stay importable here.
 from moddiffy_jax.methods.steps import (
@@ -111,10 +112,9 @@ class MethodDef:
 
 
 # --------------------------------------------------------------------------
-# Optimizers: per-role learning rates through optax.partition.
-
-# Roles by path inside the trained parts; first match wins. The optimizer
-# config gives each role a learning rate and a weight decay.
+# Optimizers: per-role learning rates (role_partition.py). Roles by path
+# inside the trained parts, first match wins; the optimizer config gives
+# each role a learning rate and a weight decay.
 ROLE_RULES: tuple[tuple[str, str], ...] = (
     (r"core/.*", "encoder"),
     (r"adapters/.*", "adapter"),
@@ -220,7 +220,7 @@ def make_optimizer(optim: Mapping[str, Any]) -> optax.GradientTransformation:
             weight_decay=optim[f"wd_{parent}"],
         )
     labels = functools.partial(role_labels, derived=derived)
-    chain = [optax.partition(transforms, labels)]
+    chain = [role_partition(transforms, labels)]
     if optim["clip_norm"] > 0:
         chain.insert(0, optax.clip_by_global_norm(optim["clip_norm"]))
     return optax.chain(*chain)
@@ -321,7 +321,7 @@ def schedule_substeps(
         # One transformation per original one: shared sub-steps stay shared.
         opt = made.get(id(sub.optimizer))
         if opt is None:
-            opt = optax.chain(sub.optimizer, optax.partition(scaled, role_labels))
+            opt = optax.chain(sub.optimizer, role_partition(scaled, role_labels))
             if k > 1:
                 opt = optax.MultiSteps(opt, every_k_schedule=k)
             made[id(sub.optimizer)] = opt

@@ -26,10 +26,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 
 from moddiffy_jax import parallel
-from moddiffy_jax.methods import common, standard
+from moddiffy_jax.methods import common, role_partition, standard
 from moddiffy_jax.methods.interface import Method, two_phases
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import masks as masks_lib
@@ -185,24 +184,23 @@ def _is_cut(config, phase_step: int, n_steps: int) -> bool:
 
 
 def adam_second_moment(opt_state: Any, key: common.Key) -> Any:
-    """Adam's ``nu`` for the delta of the diff at ``key`` in a sub-step's state."""
+    """Adam's ``nu`` for the delta of the diff at ``key`` in a sub-step's state
+    (a :class:`role_partition.RolePartitionState` inside it: the "diff" role's
+    entries and those of roles derived from it, which have their own AdamW)."""
+    prefix = selection.PATH_SEP.join((*key, "delta"))
     stack = [opt_state]
     while stack:
         node = stack.pop()
-        inner = getattr(node, "inner_states", None)
-        if isinstance(inner, Mapping) and "diff" in inner:
-            nu = common.get_part(inner["diff"].inner_state[0].nu, key).delta
-            for role in common.DERIVED_ROLES:  # rows with their own AdamW
+        if isinstance(node, role_partition.RolePartitionState):
+            inner = node.inner_states
+            if "diff" not in inner:
+                break
+            flat = dict(inner["diff"][0].nu)
+            for role in common.DERIVED_ROLES:
                 if role in inner:
-                    own = common.get_part(inner[role].inner_state[0].nu, key).delta
-                    nu = jax.tree.map(
-                        lambda a, b: b if isinstance(a, optax.MaskedNode) else a,
-                        nu,
-                        own,
-                        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
-                    )
-            return nu
-        if isinstance(node, tuple):
+                    flat.update(inner[role][0].nu)
+            return role_partition.under(flat, prefix)
+        if isinstance(node, tuple):  # chains, optax.MultiSteps' state
             stack.extend(node)
     raise ValueError("No Adam state for the 'diff' role in the optimizer state.")
 
