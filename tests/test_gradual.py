@@ -99,6 +99,17 @@ def test_taylor_scores_read_adams_second_moment():
     _, opt = tx.update(grads, opt, params)
     nu = moddiffy.adam_second_moment(opt, ("diffs", "g"))
     assert np.all(np.asarray(nu["w"]) > 0)
+    # Under a schedule the chain holds a second (stateless) role partition,
+    # and with accumulation optax.MultiSteps wraps both.
+    with c.unlocked():
+        c.optim.schedule, c.optim.warmup_steps, c.optim.accumulate = "linear", 1, 2
+    sub = common.SubStep(name="s", updates=(), loss=None, optimizer=tx)
+    (sub,) = common.schedule_substeps([sub], c.optim, phase_steps=8)
+    opt = sub.optimizer.init(params)
+    for _ in range(2):
+        _, opt = sub.optimizer.update(grads, opt, params)
+    nu = moddiffy.adam_second_moment(opt, ("diffs", "g"))
+    assert np.all(np.asarray(nu["w"]) > 0)
 
 
 @pytest.mark.parametrize(

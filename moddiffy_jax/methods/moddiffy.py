@@ -188,19 +188,24 @@ def adam_second_moment(opt_state: Any, key: common.Key) -> Any:
     (a :class:`role_partition.RolePartitionState` inside it: the "diff" role's
     entries and those of roles derived from it, which have their own AdamW)."""
     prefix = selection.PATH_SEP.join((*key, "delta"))
+
+    def moments(role_state):  # the element of a role's chain that has ``nu``
+        parts = role_state if isinstance(role_state, tuple) else (role_state,)
+        return next((p for p in (role_state, *parts) if hasattr(p, "nu")), None)
+
     stack = [opt_state]
     while stack:
         node = stack.pop()
         if isinstance(node, role_partition.RolePartitionState):
             inner = node.inner_states
-            if "diff" not in inner:
-                break
-            flat = dict(inner["diff"][0].nu)
-            for role in common.DERIVED_ROLES:
-                if role in inner:
-                    flat.update(inner[role][0].nu)
-            return role_partition.under(flat, prefix)
-        if isinstance(node, tuple):  # chains, optax.MultiSteps' state
+            adam = moments(inner["diff"]) if "diff" in inner else None
+            if adam is not None:  # not a schedule's partition, say
+                flat = dict(adam.nu)
+                for role in common.DERIVED_ROLES:
+                    own = moments(inner[role]) if role in inner else None
+                    flat.update(own.nu if own is not None else {})
+                return role_partition.under(flat, prefix)
+        elif isinstance(node, tuple):  # chains, optax.MultiSteps' state
             stack.extend(node)
     raise ValueError("No Adam state for the 'diff' role in the optimizer state.")
 
