@@ -146,8 +146,9 @@ class RunCheckpointer:
             raise ValueError(
                 f"The train state saved at step {step} in {self.directory} has "
                 "another layout than this version of the library builds (the "
-                "optimizer state changed at stop 52: per-role states hold only "
-                "their own leaves). Resume it with the version that wrote it, or "
+                "optimizer state now holds, per learning-rate role, only that "
+                "role's own leaves: methods/role_partition.py). Resume it with "
+                "the version that wrote it, or "
                 "start again in a new workdir; the saved files are left as they "
                 f"are. Orbax: {str(e)[:300]}"
             ) from e

@@ -465,6 +465,8 @@ def test_the_swap_recipes_task_guard_leaves_a_step_it_does_not_act_on_unchanged(
     line = guard_line(summary)
     assert "age 0.25 (backed off" in line and "gender 1.00" in line
     assert "gender 1.00 (" not in line and "from step 3" in line
+    assert "faster" not in line
+    assert "from step 3, returning 4x faster)" in guard_line(summary | {"release": 4.0})
     # A frozen core in fixmask has no task step to read the core from: where
     # the recipe follows the overrides (objective auto) it leaves the guard
     # off; objective=swap sets it first, and the clash names the fix.

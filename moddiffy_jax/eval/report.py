@@ -56,9 +56,11 @@ def guard_line(guard: Mapping[str, Any]) -> str:
         + (" (backed off: its diff trailed the core's task)" if w < 0.99 else "")
         for a, w in guard["final_weight"].items()
     )
+    release = guard.get("release", 1.0)  # results.json before stop 52 lacks it
+    back = f", returning {release:g}x faster" if release != 1.0 else ""
     return (
         f"task guard (slack {guard['slack']:.2f} of task accuracy, from step "
-        f"{guard['start_step']}): removal weight at the end {weights}"
+        f"{guard['start_step']}{back}): removal weight at the end {weights}"
     )
 
 
