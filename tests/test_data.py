@@ -329,6 +329,50 @@ def test_balancing_train_only():
     assert again.splits["train"].text == train.text
 
 
+def test_the_train_split_as_read_comes_back_for_probes_and_floors(tokenizer):
+    """Balanced train feeds training; the probes and the floor's rule read
+    train as read (on the balanced split the rule would have no signal)."""
+    from moddiffy_jax.eval import removal
+
+    plain = data.load_text_dataset(data.default_data_config())
+    c = data.default_data_config()
+    c.balance.attribute = "gender"
+    ds = data.load_text_dataset(c)
+    n = len(plain.splits["train"])
+    assert ds.train_originals == n and plain.train_originals is None
+    back = data.original_train(ds)
+    assert back.train_originals is None and back.splits["train"].text == (
+        plain.splits["train"].text
+    )
+    assert data.original_train(plain) is plain
+
+    c.max_examples_per_split = 300
+    c.max_length = 16
+    tok = data.build_dataset(c, tokenizer)
+    n_tok = tok.train_originals
+    assert n_tok is not None and n_tok < len(tok.splits["train"])
+    train_as_read = data.original_train(tok).splits["train"]
+    assert len(train_as_read) == n_tok
+    np.testing.assert_array_equal(
+        train_as_read.input_ids, tok.splits["train"].input_ids[:n_tok]
+    )
+
+    def floor(split):
+        return removal.leakage_floor(
+            split.task,
+            split.attrs["gender"],
+            tok.splits["test"].task,
+            tok.splits["test"].attrs["gender"],
+            num_task_classes=2,
+            num_attr_classes=2,
+        )
+
+    # gender follows the label at 0.8: the rule on train as read finds it;
+    # on the balanced split every task label is a tie.
+    assert floor(train_as_read) > 0.75
+    assert floor(tok.splits["train"]) == 0.5
+
+
 # ---------------------------------------------------------------- tokenization
 
 

@@ -31,6 +31,45 @@ def test_leakage_floor_by_hand():
     assert abs(f - 0.5) < 0.03
 
 
+def test_the_report_reads_train_as_read_where_balancing_upsampled_it():
+    """evaluate_run's view: the floors and the known train representations
+    come from the rows as read, not from data.balance's copies."""
+    import dataclasses
+
+    from moddiffy_jax import data
+
+    c = data.default_data_config()
+    c.balance.attribute = "gender"
+    c.max_examples_per_split = 400
+    balanced = data.load_text_dataset(c)
+    n = balanced.train_originals
+    assert n == 400 and len(balanced.splits["train"]) > n
+
+    @dataclasses.dataclass
+    class Ctx:
+        data: object
+        attributes: tuple = ("gender", "age")
+
+    reps = {
+        "core": {
+            "train": np.zeros((len(balanced.splits["train"]), 3)),
+            "dev": np.ones((400, 3)),
+        }
+    }
+    ctx, known = composition._train_as_read(Ctx(balanced), reps)
+    assert len(ctx.data.splits["train"]) == n and ctx.data.train_originals is None
+    assert known["core"]["train"].shape == (n, 3)
+    assert known["core"]["dev"] is reps["core"]["dev"]
+    floors = composition.leakage_floors(ctx)
+    on_copies = composition.leakage_floors(Ctx(balanced))
+    # gender follows the label at 0.8: found on the rows as read, a tie
+    # (chance) on the balanced copies.
+    assert floors["gender"]["floor"] > 0.75
+    assert on_copies["gender"]["floor"] == pytest.approx(0.5)
+    plain = Ctx(data.load_text_dataset(data.default_data_config()))
+    assert composition._train_as_read(plain, reps) == (plain, reps)
+
+
 def test_gap_closed():
     assert composition.gap_closed(0.98, 0.95, 0.92) == pytest.approx(0.5)
     assert composition.gap_closed(0.9, 0.95, 0.8) == pytest.approx(-0.5)

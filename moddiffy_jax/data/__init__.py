@@ -8,7 +8,7 @@ Typical use::
     for batch in eval_batches(ds.splits["dev"], 64): ...
 """
 
-from moddiffy_jax.data.balance import balance_train_split
+from moddiffy_jax.data.balance import balance_train_split, original_train
 from moddiffy_jax.data.config import (
     build_dataset,
     default_data_config,
@@ -61,6 +61,7 @@ __all__ = [
     "load_tabular",
     "load_text_dataset",
     "num_eval_batches",
+    "original_train",
     "padded_length",
     "read_label_file",
     "read_table",

@@ -3,14 +3,16 @@
 Like the paper's balanced training sets (e.g. PAN16 with as many female as male
 authors), but done in code: within every task label, every value of the chosen
 attribute is upsampled to the count of the most frequent value for that label.
-Only train is changed; dev and test keep their natural distribution.
+Only train is changed; dev and test keep their natural distribution. The
+copies follow the original rows, and :func:`original_train` gives train as
+read back for what is measured there (probes, INLP, the leakage floor).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from moddiffy_jax.data.dataset import TextDataset
+from moddiffy_jax.data.dataset import DatasetT, RawSplit, TextDataset, subset_split
 
 
 def balance_train_split(
@@ -70,4 +72,29 @@ def balance_train_split(
     indices = np.concatenate([np.arange(len(train))] + extra).astype(np.int64)
     splits = dict(dataset.splits)
     splits["train"] = train.take(indices)
-    return dataset.replace(splits=splits)
+    originals = dataset.train_originals or len(train)
+    return dataset.replace(splits=splits, train_originals=originals)
+
+
+def original_train(dataset: DatasetT) -> DatasetT:
+    """``dataset`` with train as read: the upsampled copies of
+    :func:`balance_train_split` dropped (they follow the originals).
+
+    What is measured on train reads the data as it is: the leakage probes
+    and INLP fit there, and the floor's rule (the attribute value each task
+    label makes likeliest) is estimated there; on a train split balanced
+    within each task label that rule has nothing to go on, and probes fit on
+    duplicated minority rows read the attribute differently from the rest
+    of the table. A dataset that was not upsampled is returned as it is.
+    """
+    n = dataset.train_originals
+    if n is None:
+        return dataset
+    train = dataset.splits["train"]
+    rows = np.arange(n)
+    kept = (
+        train.take(rows) if isinstance(train, RawSplit) else subset_split(train, rows)
+    )
+    return dataset.replace(
+        splits={**dataset.splits, "train": kept}, train_originals=None
+    )

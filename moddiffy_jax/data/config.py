@@ -196,5 +196,5 @@ def build_dataset(
         tokenized = trim_padding(tokenized)
     extras = {s: split.extras for s, split in text.splits.items() if split.extras}
     return dataset_with_extras(tokenized, extras).replace(
-        bias_summary=dict(text.bias_summary)
+        bias_summary=dict(text.bias_summary), train_originals=text.train_originals
     )

@@ -89,6 +89,9 @@ class TextDataset:
         log-probabilities the splits carry as ``extras["bias_logprobs"]``
         (see :func:`moddiffy_jax.data.bias.compute_bias_extras`); empty when
         no bias model is configured.
+      train_originals: where ``data.balance`` upsampled train, how many of
+        its first rows are the rows as read (the copies follow); None when
+        train is as read (:func:`moddiffy_jax.data.balance.original_train`).
     """
 
     splits: dict[str, RawSplit]
@@ -97,6 +100,7 @@ class TextDataset:
     name: str
     synthetic: bool
     bias_summary: dict = dataclasses.field(default_factory=dict)
+    train_originals: int | None = None
 
     @property
     def attributes(self) -> tuple[str, ...]:
@@ -184,6 +188,7 @@ class TokenizedDataset:
       bias_summary: summary of the bias-only model behind
         ``extras["bias_logprobs"]`` (as in :class:`TextDataset`); empty when
         none is configured.
+      train_originals: as in :class:`TextDataset`.
     """
 
     splits: dict[str, TokenizedSplit]
@@ -193,6 +198,7 @@ class TokenizedDataset:
     synthetic: bool
     max_length: int
     bias_summary: dict = dataclasses.field(default_factory=dict)
+    train_originals: int | None = None
 
     @property
     def attributes(self) -> tuple[str, ...]:

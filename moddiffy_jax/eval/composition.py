@@ -431,6 +431,8 @@ def evaluate_run(
     ctx = build_context(config)
     if verify_inputs:
         check_inputs(workdir, ctx, allow_changed=allow_changed_inputs, record=False)
+    # Probes, INLP and the floors read train as read, not its upsampled copies.
+    ctx, known_reps = _train_as_read(ctx, known_reps)
     if ctx.attributes:
         missing = [s for s in SPLITS if s not in ctx.data.splits]
         if missing:
@@ -686,6 +688,27 @@ def _merge_rows(
         logging.info("Evaluating %s", label)
         rows[label] = make_row(reps)
     return summaries
+
+
+def _train_as_read(ctx, known_reps):
+    """``ctx`` with the train split as read (``data.balance``'s copies
+    dropped: :func:`moddiffy_jax.data.original_train`) and ``known_reps``'
+    train rows cut to match (the originals come first)."""
+    from moddiffy_jax import data as data_lib
+
+    originals = ctx.data.train_originals
+    if originals is None:
+        return ctx, known_reps
+    ctx = dataclasses.replace(ctx, data=data_lib.original_train(ctx.data))
+    if known_reps:
+        known_reps = {
+            label: {
+                s: np.asarray(h)[:originals] if s == "train" else h
+                for s, h in splits.items()
+            }
+            for label, splits in known_reps.items()
+        }
+    return ctx, known_reps
 
 
 def _jsonable(obj: Any) -> Any:
