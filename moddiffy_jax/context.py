@@ -375,13 +375,15 @@ def _swap_order(fields) -> str:
 
 
 def _read_groups(dataset, attr, groups, attr_classes, fields, every=False):
-    """methods/swap_budget.choose_groups of ``groups`` (train and dev);
-    ``every``: the reads of no group and of every group only."""
+    """methods/swap_budget.choose_groups of ``groups`` (train as read, not
+    data.balance's copies, and dev); ``every``: the reads of no group and of
+    every group only."""
+    from moddiffy_jax import data as data_lib
     from moddiffy_jax.methods import swap_budget
 
     order = _swap_order(fields)
     return swap_budget.choose_groups(
-        dataset.splits["train"],
+        data_lib.original_train(dataset).splits["train"],
         dataset.splits["dev"],
         attr,
         groups,
