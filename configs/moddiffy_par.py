@@ -39,7 +39,11 @@ seed) is not yet met. With three times the steps the age diff closes
 0.65 / 0.78 on seed 0. About 9 minutes on 2 idle cores. On dwmw17
 (seed 0, stop 15) the dialect diff lowers dialect leakage by 7.0 / 4.6
 points (linear / MLP) at -0.9 points of accuracy; the official code's
-diff, re-probed the same way, lowers it by none.
+diff, re-probed the same way, lowers it by none. The code as of stop 53
+on dwmw17, training seeds 0-2 (docs/efficacy.md, "Stop 53"): 9.7, 3.7
+and 5.1 points under the report's attacker, 7.6, 3.5 and 1.7 under its
+linear probe (floor 0.794), task within 0.9 points, the RMS TPR gap
+falling on each: the 8-point bar is not met.
 Since stop 29 the main job also builds a token-merge diff per attribute on
 its core (eval.token_merge; docs/efficacy.md, "Stop 29"): on seed 0 they
 close 0.65 / 0.86 (attacker / linear) of gender's gap at -1.1 points and
