@@ -68,6 +68,9 @@ def test_the_report_reads_train_as_read_where_balancing_upsampled_it():
     assert on_copies["gender"]["floor"] == pytest.approx(0.5)
     plain = Ctx(data.load_text_dataset(data.default_data_config()))
     assert composition._train_as_read(plain, reps) == (plain, reps)
+    images = Ctx(object())  # a dataset kind without balancing
+    assert composition._train_as_read(images, reps) == (images, reps)
+    assert data.original_train(images.data) is images.data
 
 
 def test_gap_closed():

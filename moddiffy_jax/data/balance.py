@@ -85,9 +85,10 @@ def original_train(dataset: DatasetT) -> DatasetT:
     label makes likeliest) is estimated there; on a train split balanced
     within each task label that rule has nothing to go on, and probes fit on
     duplicated minority rows read the attribute differently from the rest
-    of the table. A dataset that was not upsampled is returned as it is.
+    of the table. A dataset that was not upsampled (or a kind without
+    balancing, e.g. an image dataset) is returned as it is.
     """
-    n = dataset.train_originals
+    n = getattr(dataset, "train_originals", None)
     if n is None:
         return dataset
     train = dataset.splits["train"]

@@ -696,7 +696,7 @@ def _train_as_read(ctx, known_reps):
     train rows cut to match (the originals come first)."""
     from moddiffy_jax import data as data_lib
 
-    originals = ctx.data.train_originals
+    originals = getattr(ctx.data, "train_originals", None)  # images: none
     if originals is None:
         return ctx, known_reps
     ctx = dataclasses.replace(ctx, data=data_lib.original_train(ctx.data))
