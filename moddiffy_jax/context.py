@@ -675,6 +675,23 @@ def check_prune_config(d: ml_collections.ConfigDict) -> None:
             "diff.prune_schedule='gradual' needs diff.keep as a fraction in (0, 1], "
             f"got {keep!r}; use prune_schedule='final' for a count."
         )
+    share = d.get("erasure_share", 0.0)
+    if (
+        isinstance(share, bool)
+        or not isinstance(share, (int, float))
+        or not 0 <= share < 1
+    ):
+        raise ValueError(
+            f"config.diff.erasure_share={share!r}: the share of each attribute "
+            "diff's budget given to its closed-form eraser, in [0, 1) (0: off)."
+        )
+    if share and (d.get("scope", "global") != "global" or d.structured):
+        raise ValueError(
+            "config.diff.erasure_share > 0 writes whole rows of one matrix, "
+            "which a per-leaf or structured budget cannot hold: set "
+            "diff.scope='global' and diff.structured=False, or "
+            "diff.erasure_share=0."
+        )
     if schedule == "gradual" and d.structured:
         raise ValueError(
             "config.diff.prune_schedule='gradual' prunes entries, not whole "

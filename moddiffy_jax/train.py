@@ -403,6 +403,7 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     if kept is not None:
         trainable, frozen, _ = kept
         selected = {"rule": "best_dev", **best.info}
+    trainable, frozen, finished = method.finish(ctx, trainable, frozen, phases[-1])
     # The table's representations, which the leakage probes below reuse.
     reps = {} if config.eval.leakage and jax.process_index() == 0 else None
     results = export_and_evaluate(
@@ -410,6 +411,8 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     )
     if removal.TASK_GUARD in trainable:  # config.method.task_guard: where it ended
         results["task_guard"] = guard_summary(ctx.debias, trainable[removal.TASK_GUARD])
+    if finished is not None:  # Method.finish (the diffs' erasure refit)
+        results["finish"] = finished
     if averaged is not None:
         selected = {"rule": "average", **averaged}
     results["selected"] = selected

@@ -22,6 +22,10 @@ Hooks (``ctx`` is a :class:`moddiffy_jax.context.Context`; ``trainable`` and
   a dict of metrics to log, or None.
 * ``transition(ctx, trainable, frozen, next_phase) -> (trainable, frozen)``:
   between phases (the cut to an exact budget, an IMP round).
+* ``finish(ctx, trainable, frozen, phase) -> (trainable, frozen, record)``:
+  once, after the last step (and the best-step selection), before the
+  export: a host-side refit of the final state (the diffs' closed-form
+  erasers); ``record`` (a dict, or None) goes in ``results.json``.
 * ``checkpoint_extra(frozen)`` and ``restore(ctx, trainable, frozen, phase,
   extra) -> (trainable, frozen)``: host-side state saved beside the Orbax
   state (sparse indices), and the templates a restore needs.
@@ -86,6 +90,10 @@ def no_transition(ctx, trainable: dict, frozen: dict, next_phase: str):
     return trainable, frozen
 
 
+def no_finish(ctx, trainable: dict, frozen: dict, phase: str):
+    return trainable, frozen, None
+
+
 def never_settled(
     config: ml_collections.ConfigDict, phase: str, phase_step: int, n_steps: int
 ) -> bool:
@@ -131,6 +139,7 @@ class Method(MethodDef):
     phase_steps: Callable[[ml_collections.ConfigDict, str], int] = phase_steps
     after_step: Callable[..., tuple[Any, dict | None]] = no_after_step
     transition: Callable[..., tuple[dict, dict]] = no_transition
+    finish: Callable[..., tuple[dict, dict, dict | None]] = no_finish
     # True from the phase step on at which the next phase's state shapes are
     # fixed (what ``transition`` would give then has the shapes it gives at
     # the phase's end): the loop may compile the next phase's step ahead.

@@ -331,7 +331,65 @@ def diff_config() -> ml_collections.ConfigDict:
     # a removal that holds when the diffs are composed. 0: each diff sees
     # only the core, as the paper.
     d.compose_prob = 0.0
+    # Closed-form erasure (methods/erasure_refit.py): when training ends,
+    # this share of each attribute diff's budget is given to a LEACE-style
+    # eraser of its attribute written into the last layer's FFN output (the
+    # rest of the diff trimmed by magnitude, so the budget stays exact);
+    # 0: the trained diffs as they are. ``erasure_ridge``: the within-class
+    # covariance's ridge (share of its mean variance); ``erasure_examples``:
+    # training rows the fit reads at most (a seeded sample beyond).
+    d.erasure_share = 0.5
+    d.erasure_ridge = 1e-3
+    d.erasure_examples = 20000
     return d
+
+
+def finish(ctx, trainable: dict, frozen: dict, phase: str):
+    """At the end of training: each attribute diff with its closed-form
+    eraser folded in (``diff.erasure_share > 0``;
+    :mod:`moddiffy_jax.methods.erasure_refit`), and a record per attribute.
+    A host-side function of the final state and the training split, so a
+    resumed run refits to the same diff."""
+    share = ctx.config.diff.get("erasure_share", 0.0)
+    keys = [k for k in diff_keys(ctx.method, ctx.attributes) if k[0] == "diffs"]
+    if not share or not keys or phase != "fixmask":
+        return trainable, frozen, None
+    from moddiffy_jax.eval.evaluator import Evaluator
+    from moddiffy_jax.methods import erasure_refit
+
+    d = ctx.config.diff
+    settings = erasure_refit.Settings(
+        share=float(share),
+        ridge=float(d.get("erasure_ridge", 1e-3)),
+        examples=int(d.get("erasure_examples", 20000)),
+        seed=int(ctx.config.seed),
+    )
+    evaluator = Evaluator(ctx)
+    sparse = sparse_diffs_of(ctx, trainable, frozen, phase)
+    record = {}
+    indices = frozen["indices"]
+    for key in keys:
+        core = base_for_diff(ctx, trainable, frozen, key)
+        erasure_refit.check_model(
+            ctx.model, {p for p, _ in sparse[diff_name(key)].shapes}
+        )
+        sd, record[key[-1]] = erasure_refit.refit(
+            ctx,
+            core,
+            sparse[diff_name(key)],
+            key[-1],
+            settings,
+            compose=lambda c, s: evaluator.compose(c, [s]),
+            forward=evaluator.forward,
+        )
+        kept = [p for p in sd.indices if np.size(sd.indices[p])]
+        trainable = common.set_part(
+            trainable, key, selection.unflatten({p: sd.values[p] for p in kept})
+        )
+        indices = common.set_part(
+            indices, key, selection.unflatten({p: sd.indices[p] for p in kept})
+        )
+    return trainable, {**frozen, "indices": indices}, record
 
 
 def substeps(ctx, phase: str, trainable: dict) -> list[common.SubStep]:
@@ -353,6 +411,7 @@ def _family(name: str, encoder: str, debias: str, description: str) -> Method:
         substeps=substeps,
         after_step=after_step,
         transition=to_fixmask,
+        finish=finish,
         next_shapes_settled=next_shapes_settled,
         checkpoint_extra=checkpoint_extra,
         restore=restore,

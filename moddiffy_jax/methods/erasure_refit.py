@@ -1,0 +1,392 @@
+"""Closed-form erasure, folded into each attribute's diff when training ends.
+
+What a trained diff leaves of its attribute is, on dwmw17's dialect, mostly
+linear and in few directions (docs/efficacy.md, stop 54: erasing one
+direction of the core's CLS vectors takes a fresh linear probe from 0.953 to
+0.795, floor 0.794). LEACE (Belrose et al. 2023) erases such information
+from *vectors* in closed form; a diff can only change *weights*. This module
+writes a LEACE-style oblique projection into the weights of the last layer's
+FFN output, where it is exact up to one linear regression.
+
+The representation is ``h = LN(y)``, ``y = x + g W_o + b_o`` (``g`` the last
+layer's FFN activations at the CLS token, ``x`` its residual input). In
+LayerNorm's normalised coordinates ``n = (y - mean(y)) / std(y)`` the eraser
+is ``n' = n - (n - m) R U^T``:
+
+* ``D`` [H, r]: the attribute's mean offsets *within* each task class
+  (pooled over the task classes, count-weighted), ``r = C - 1`` for ``C``
+  attribute values; ``S`` the pooled within-class covariance of ``n``;
+* ``R = S^-1 D`` (the within-class Fisher directions: what a linear probe
+  reads) and ``U = D (D^T S^-1 D)^-1`` (so ``R^T U = I``): after the
+  eraser the attribute's offsets within each task class are zero on the fit
+  rows, LEACE's condition, restricted to differences within a task class so
+  that the task's own separation is kept.
+
+``U`` is centred (offsets of centred vectors), so ``y' = y - s U^T`` with
+``s = std(y) (n - m) R`` gives ``n'`` up to the change of ``std(y)``. The
+last layer's FFN activations already hold ``s`` almost linearly (ridge R^2
+0.97 from 300 of MiniLM's 1,536 units on dwmw17), so with ``s ~ g_k A + c``
+read from ``k`` units::
+
+    Delta W_o[units, :] = -A U^T      Delta b_o = -c U^T
+
+a rank ``r`` edit of ``k`` rows of one matrix, ``(k + 1) H`` entries. It is
+added to the trained diff, whose other entries are trimmed by magnitude so
+that the diff keeps its exact budget (``diff.erasure_share`` of it goes to
+the eraser). Fit on the training split with the trained diff added; nothing
+is differentiated, so a resumed run refits to the same diff.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moddiffy_jax.subnets import diffs as diffs_lib
+
+#: The last layer's FFN output, relative to the encoder params.
+KERNEL = "encoder/layer_{last}/output/dense/kernel"
+BIAS = "encoder/layer_{last}/output/dense/bias"
+
+
+def output_paths(num_layers: int) -> tuple[str, str]:
+    """The kernel and bias paths the eraser writes into."""
+    last = num_layers - 1
+    return KERNEL.format(last=last), BIAS.format(last=last)
+
+
+def check_model(model: Any, rules_paths: Any) -> None:
+    """Clear errors where the eraser cannot be written: it needs a BERT text
+    model (post-LN, no adapter, layers not scanned) whose diffs may touch
+    the last layer's FFN output."""
+    cfg = getattr(model, "bert_config", None)
+    fix = "or set config.diff.erasure_share=0 to train the diffs without it."
+    if cfg is None:
+        raise ValueError(
+            "config.diff.erasure_share > 0 writes a closed-form eraser into a "
+            f"BERT encoder's last layer; this model ({type(model).__name__}) "
+            f"has none: {fix}"
+        )
+    if cfg.adapter_reduction_factor:
+        raise ValueError(
+            "config.diff.erasure_share > 0 reads the last layer's FFN output, "
+            f"which an adapter changes: {fix}"
+        )
+    if getattr(model.encoder, "scan_layers", False):
+        raise ValueError(
+            "config.diff.erasure_share > 0 reads the last layer's activations, "
+            "which a scanned layer stack does not expose: set "
+            f"config.model.scan_layers=False, {fix}"
+        )
+    missing = [p for p in output_paths(cfg.num_hidden_layers) if p not in rules_paths]
+    if missing:
+        raise ValueError(
+            f"config.diff.erasure_share > 0 writes into {missing}, which the "
+            "diff's rules (config.diff.include / exclude) leave out: include "
+            f"them, {fix}"
+        )
+
+
+# --------------------------------------------------------------------------
+# Features: the last layer's CLS pre-LayerNorm vector and FFN activations.
+
+
+def feature_fn(model: Any):
+    """A jitted ``(params, inputs) -> (y [B, H], g [B, I])`` at the CLS token."""
+    last = model.bert_config.num_hidden_layers - 1
+    wanted = {(f"layer_{last}", "attention"), (f"layer_{last}", "intermediate")}
+
+    def pick(module, method_name):
+        return method_name == "__call__" and tuple(module.scope.path[-2:]) in wanted
+
+    def fn(params, inputs):
+        _, state = model.encoder.apply(
+            {"params": params},
+            inputs["input_ids"],
+            inputs["attention_mask"],
+            inputs.get("token_type_ids"),
+            deterministic=True,
+            capture_intermediates=pick,
+            mutable=["intermediates"],
+        )
+        layer = state["intermediates"]["encoder"][f"layer_{last}"]
+        x = layer["attention"]["__call__"][0][:, 0].astype(jnp.float32)
+        g = layer["intermediate"]["__call__"][0][:, 0].astype(jnp.float32)
+        out = params["encoder"][f"layer_{last}"]["output"]["dense"]
+        y = x + g @ out["kernel"].astype(jnp.float32) + out["bias"]
+        return y, g
+
+    return jax.jit(fn)
+
+
+def features(
+    fn, forward: Any, params: Any, split: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(y, g)`` of every row of ``split`` (``forward``: an
+    :class:`moddiffy_jax.eval.forward.Forward` for its batches)."""
+    ys, gs = [], []
+    for inputs, real in forward.batches(split):
+        y, g = fn(params, inputs)
+        ys.append(np.asarray(y)[real])
+        gs.append(np.asarray(g)[real])
+    return np.concatenate(ys), np.concatenate(gs)
+
+
+# --------------------------------------------------------------------------
+# The fit (numpy, float64).
+
+
+def normalised(y: np.ndarray, eps: float = 1e-12) -> tuple[np.ndarray, np.ndarray]:
+    """LayerNorm without its affine part: ``(n [N, H], std [N])``."""
+    y = np.asarray(y, np.float64)
+    centred = y - y.mean(-1, keepdims=True)
+    std = np.sqrt(np.mean(centred**2, -1) + eps)
+    return centred / std[:, None], std
+
+
+@dataclasses.dataclass(frozen=True)
+class Eraser:
+    """``n' = n - (n - mean) read write^T`` in normalised coordinates."""
+
+    read: np.ndarray  # [H, r]
+    write: np.ndarray  # [H, r]
+    mean: np.ndarray  # [H]
+    separation: float  # sqrt(tr(D^T S^-1 D)) on the fit rows, before
+
+    def coordinates(self, y: np.ndarray) -> np.ndarray:
+        """``s`` [N, r]: what ``y`` must lose along ``write`` (in y's scale)."""
+        n, std = normalised(y)
+        return ((n - self.mean) @ self.read) * std[:, None]
+
+
+def fit_eraser(
+    y: np.ndarray, task: np.ndarray, labels: np.ndarray, *, ridge: float = 1e-3
+) -> Eraser:
+    """The eraser of one attribute from pre-LN vectors ``y`` [N, H], task
+    labels and attribute labels (rows with a negative label are left out).
+
+    ``ridge`` is added to the within-class covariance's diagonal as a share
+    of its mean variance (the normalised vectors are singular along the
+    all-ones direction, and the least-variance directions are noise).
+    """
+    rows = np.asarray(labels) >= 0
+    n, _ = normalised(np.asarray(y)[rows])
+    task, labels = np.asarray(task)[rows], np.asarray(labels)[rows]
+    values = np.unique(labels)
+    if len(values) < 2:
+        raise ValueError(
+            f"the erasure refit needs at least two attribute values among its "
+            f"fit rows; got {values.tolist()}."
+        )
+    dim = n.shape[1]
+    scatter = np.zeros((dim, dim))
+    offsets = np.zeros((len(values), dim))
+    counts = np.zeros(len(values))
+    for t in np.unique(task):
+        member = task == t
+        centre = n[member].mean(0)
+        dev = n[member] - centre
+        scatter += dev.T @ dev
+        for j, v in enumerate(values):
+            cell = member & (labels == v)
+            if cell.any():
+                offsets[j] += cell.sum() * (n[cell].mean(0) - centre)
+                counts[j] += cell.sum()
+    cov = scatter / len(n)
+    offsets /= np.maximum(counts, 1.0)[:, None]
+    # The offsets sum to 0 weighted by counts: r = C - 1 directions at most.
+    u, s, _ = np.linalg.svd(offsets.T, full_matrices=False)
+    d = u[:, s > 1e-6 * max(s.max(), 1e-30)][:, : len(values) - 1]
+    reg = cov + ridge * np.trace(cov) / dim * np.eye(dim)
+    read = np.linalg.solve(reg, d)
+    gram = d.T @ read
+    write = d @ np.linalg.inv(gram)
+    # The separation before: the whitened norm of the offsets' span.
+    sep = float(np.sqrt(max(np.trace(offsets @ np.linalg.solve(reg, offsets.T)), 0.0)))
+    return Eraser(read=read, write=write, mean=n.mean(0), separation=sep)
+
+
+def fit_readout(
+    g: np.ndarray, target: np.ndarray, *, l2: float = 1e-4
+) -> tuple[np.ndarray, np.ndarray]:
+    """Ridge ``target ~ g A + c``: ``(A [I, r], c [r])``; ``l2`` as a share
+    of the mean variance of ``g``'s columns."""
+    g = np.asarray(g, np.float64)
+    gm, tm = g.mean(0), target.mean(0)
+    x = g - gm
+    gram = x.T @ x
+    gram += l2 * np.trace(gram) / len(gram) * np.eye(len(gram))
+    a = np.linalg.solve(gram, x.T @ (target - tm))
+    return a, tm - gm @ a
+
+
+def choose_units(g: np.ndarray, target: np.ndarray, k: int, *, l2: float = 1e-4):
+    """The ``k`` FFN units that carry most of the readout (norm of their
+    coefficients times their spread), sorted."""
+    a, _ = fit_readout(g, target, l2=l2)
+    score = np.linalg.norm(a, axis=1) * np.asarray(g).std(0)
+    return np.sort(np.argsort(-score, kind="stable")[:k])
+
+
+def r_squared(pred: np.ndarray, target: np.ndarray) -> float:
+    return float(
+        1.0
+        - np.sum((pred - target) ** 2)
+        / max(np.sum((target - target.mean(0)) ** 2), 1e-30)
+    )
+
+
+# --------------------------------------------------------------------------
+# The diff: trim to make room, then add the eraser's entries.
+
+
+def budget_of(sd: diffs_lib.SparseDiff, keep: float | int) -> int:
+    """The diff's exact budget, as the cut to fixmask counts it."""
+    total = sum(int(np.prod(shape)) for _, shape in sd.shapes)
+    return int(keep) if isinstance(keep, int) else int(round(keep * total))
+
+
+def eraser_units(budget: int, share: float, hidden: int) -> int:
+    """How many FFN rows ``share`` of ``budget`` buys (``(k + 1) H`` entries)."""
+    return int(share * budget) // hidden - 1
+
+
+def support(units: np.ndarray, hidden: int, kernel: str, bias: str) -> dict:
+    """The flat indices the eraser writes: ``units`` rows of the kernel, all
+    of the bias."""
+    rows = (units[:, None] * hidden + np.arange(hidden)[None]).reshape(-1)
+    return {kernel: rows.astype(np.int64), bias: np.arange(hidden, dtype=np.int64)}
+
+
+def trim(sd: diffs_lib.SparseDiff, room: dict, budget: int) -> diffs_lib.SparseDiff:
+    """``sd`` with its entries inside ``room`` (path -> flat indices) kept
+    and, outside it, only the largest in magnitude that fit in ``budget``
+    minus the room's size (ties to the earlier leaf, then the lower index)."""
+    reserved = sum(len(v) for v in room.values())
+    paths = list(sd.indices)
+    inside, mags, leaf, flat = {}, [], [], []
+    for order, path in enumerate(paths):
+        idx = np.asarray(sd.indices[path], np.int64)
+        inside[path] = np.isin(idx, room.get(path, np.zeros(0, np.int64)))
+        free = ~inside[path]
+        mags.append(np.abs(np.asarray(sd.values[path], np.float64))[free])
+        leaf.append(np.full(int(free.sum()), order))
+        flat.append(idx[free])
+    mags, leaf, flat = map(np.concatenate, (mags, leaf, flat))
+    best = np.lexsort((flat, leaf, -mags))[: max(budget - reserved, 0)]
+    indices, values = {}, {}
+    for order, path in enumerate(paths):
+        idx = np.asarray(sd.indices[path], np.int64)
+        chosen = flat[best][leaf[best] == order]
+        mask = inside[path] | np.isin(idx, chosen)
+        indices[path] = np.asarray(idx[mask], np.int32)
+        values[path] = np.asarray(sd.values[path])[mask]
+    return dataclasses.replace(sd, indices=indices, values=values)
+
+
+def add_entries(sd: diffs_lib.SparseDiff, additions: dict) -> diffs_lib.SparseDiff:
+    """``sd`` plus ``additions`` (path -> (flat indices, values)); entries in
+    both add up; every path's indices stay sorted."""
+    indices, values = dict(sd.indices), dict(sd.values)
+    dtype = np.dtype(sd.dtype)
+    for path, (idx, val) in additions.items():
+        old_i = np.asarray(indices[path], np.int64)
+        old_v = np.asarray(values[path], np.float64)
+        union = np.union1d(old_i, idx)
+        total = np.zeros(len(union))
+        total[np.searchsorted(union, old_i)] += old_v
+        total[np.searchsorted(union, idx)] += val
+        indices[path] = union.astype(np.int32)
+        values[path] = total.astype(dtype)
+    return dataclasses.replace(sd, indices=indices, values=values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    share: float = 0.5
+    ridge: float = 1e-3
+    examples: int = 20000
+    seed: int = 0
+
+
+def refit(
+    ctx: Any,
+    core: Any,
+    sd: diffs_lib.SparseDiff,
+    attribute: str,
+    settings: Settings,
+    compose: Any,
+    forward: Any,
+) -> tuple[diffs_lib.SparseDiff, dict]:
+    """The attribute's diff with the eraser folded in, and a record.
+
+    ``compose(core, sd) -> params``; ``forward`` gives the split's batches.
+    """
+    from moddiffy_jax.data.dataset import subset_split
+
+    bert = ctx.model.bert_config
+    hidden = bert.hidden_size
+    kernel, bias = output_paths(bert.num_hidden_layers)
+    budget = budget_of(sd, ctx.config.diff.keep)
+    k = min(eraser_units(budget, settings.share, hidden), bert.intermediate_size)
+    if k < 1:
+        raise ValueError(
+            f"config.diff.erasure_share={settings.share} of the {attribute!r} "
+            f"diff's budget ({budget} entries) buys no row of {kernel} "
+            f"({hidden} entries each, plus the bias): raise diff.keep or the "
+            "share, or set diff.erasure_share=0."
+        )
+    split = ctx.data.splits["train"]
+    n_rows = len(split.task)
+    if n_rows > settings.examples:
+        pick = np.random.default_rng(settings.seed).choice(
+            n_rows, settings.examples, replace=False
+        )
+        split = subset_split(split, np.sort(pick))
+    task, labels = np.asarray(split.task), np.asarray(split.attrs[attribute])
+    fn = feature_fn(ctx.model)
+    # 1. Which units: from the trained diff as it is.
+    y, g = features(fn, forward, compose(core, sd), split)
+    first = fit_eraser(y, task, labels, ridge=settings.ridge)
+    units = choose_units(g, first.coordinates(y), k)
+    # 2. Make room, refit on the trimmed diff's features.
+    room = support(units, hidden, kernel, bias)
+    before = sd.nnz()
+    sd = trim(sd, room, budget)
+    y, g = features(fn, forward, compose(core, sd), split)
+    eraser = fit_eraser(y, task, labels, ridge=settings.ridge)
+    target = eraser.coordinates(y)
+    a, c = fit_readout(g[:, units], target)
+    fitted = r_squared(g[:, units] @ a + c, target)
+    rows = -(a @ eraser.write.T)  # [k, H]
+    sd = add_entries(
+        sd,
+        {
+            kernel: (room[kernel], rows.reshape(-1)),
+            bias: (room[bias], -(c @ eraser.write.T)),
+        },
+    )
+    info = json.loads(sd.info_json or "{}")
+    info["erasure"] = {
+        "units": int(k),
+        "share": settings.share,
+        "ridge": settings.ridge,
+    }
+    sd = dataclasses.replace(sd, info_json=json.dumps(info, sort_keys=True))
+    record = {
+        "units": int(k),
+        "entries": int(sum(len(v) for v in room.values())),
+        "trained_entries_before": int(before),
+        "nnz": int(sd.nnz()),
+        "budget": int(budget),
+        "fit_rows": int(len(task)),
+        "readout_r2": fitted,
+        "separation_before": eraser.separation,
+        "rank": int(eraser.write.shape[1]),
+    }
+    return sd, record
