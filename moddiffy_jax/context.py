@@ -175,6 +175,7 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
         dataset = _with_teacher_probs(config, dataset, model)
     mesh = parallel.make_mesh(config.num_devices or None)
     parallel.check_batch_size(config.train.batch_size, mesh)
+    _check_erasure(config, method, model, pretrained)
     return Context(
         config=config,
         method=method,
@@ -192,6 +193,22 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
         swap_reads=swap_reads,
         objective_choice=objective_choice,
     )
+
+
+def _check_erasure(config, method, model, pretrained) -> None:
+    """At start-up, not after training: the diffs' closed-form eraser
+    (``diff.erasure``) needs a BERT whose last FFN output the diffs cover."""
+    d = config.get("diff")
+    if d is None or method.debias != "modular" or d.get("erasure", "off") == "off":
+        return
+    if not d.get("erasure_share", 0.0):
+        return
+    from moddiffy_jax.methods import erasure_refit, standard
+    from moddiffy_jax.subnets import selection
+
+    include, exclude = standard.diff_rules(config)
+    paths = set(selection.select_paths(pretrained, include, exclude=exclude))
+    erasure_refit.check_model(model, paths)
 
 
 def _swaps(
@@ -675,6 +692,12 @@ def check_prune_config(d: ml_collections.ConfigDict) -> None:
             "diff.prune_schedule='gradual' needs diff.keep as a fraction in (0, 1], "
             f"got {keep!r}; use prune_schedule='final' for a count."
         )
+    if d.get("erasure", "off") not in ("auto", "on", "off"):
+        raise ValueError(
+            f"config.diff.erasure={d.erasure!r} is not one of ('auto', 'on', "
+            "'off') (auto: the attribute diffs trained without counterfactual "
+            "swaps)."
+        )
     share = d.get("erasure_share", 0.0)
     if (
         isinstance(share, bool)
@@ -685,12 +708,13 @@ def check_prune_config(d: ml_collections.ConfigDict) -> None:
             f"config.diff.erasure_share={share!r}: the share of each attribute "
             "diff's budget given to its closed-form eraser, in [0, 1) (0: off)."
         )
-    if share and (d.get("scope", "global") != "global" or d.structured):
+    erasing = share and d.get("erasure", "off") != "off"
+    if erasing and (d.get("scope", "global") != "global" or d.structured):
         raise ValueError(
             "config.diff.erasure_share > 0 writes whole rows of one matrix, "
             "which a per-leaf or structured budget cannot hold: set "
             "diff.scope='global' and diff.structured=False, or "
-            "diff.erasure_share=0."
+            "diff.erasure='off'."
         )
     if schedule == "gradual" and d.structured:
         raise ValueError(

@@ -65,28 +65,28 @@ def check_model(model: Any, rules_paths: Any) -> None:
     model (post-LN, no adapter, layers not scanned) whose diffs may touch
     the last layer's FFN output."""
     cfg = getattr(model, "bert_config", None)
-    fix = "or set config.diff.erasure_share=0 to train the diffs without it."
+    fix = "or set config.diff.erasure='off' to train the diffs without it."
     if cfg is None:
         raise ValueError(
-            "config.diff.erasure_share > 0 writes a closed-form eraser into a "
+            "config.diff.erasure writes a closed-form eraser into a "
             f"BERT encoder's last layer; this model ({type(model).__name__}) "
             f"has none: {fix}"
         )
     if cfg.adapter_reduction_factor:
         raise ValueError(
-            "config.diff.erasure_share > 0 reads the last layer's FFN output, "
+            "config.diff.erasure reads the last layer's FFN output, "
             f"which an adapter changes: {fix}"
         )
     if getattr(model.encoder, "scan_layers", False):
         raise ValueError(
-            "config.diff.erasure_share > 0 reads the last layer's activations, "
+            "config.diff.erasure reads the last layer's activations, "
             "which a scanned layer stack does not expose: set "
             f"config.model.scan_layers=False, {fix}"
         )
     missing = [p for p in output_paths(cfg.num_hidden_layers) if p not in rules_paths]
     if missing:
         raise ValueError(
-            f"config.diff.erasure_share > 0 writes into {missing}, which the "
+            f"config.diff.erasure writes into {missing}, which the "
             "diff's rules (config.diff.include / exclude) leave out: include "
             f"them, {fix}"
         )
@@ -165,7 +165,12 @@ class Eraser:
 
 
 def fit_eraser(
-    y: np.ndarray, task: np.ndarray, labels: np.ndarray, *, ridge: float = 1e-3
+    y: np.ndarray,
+    task: np.ndarray,
+    labels: np.ndarray,
+    *,
+    ridge: float = 1e-3,
+    keep: np.ndarray | None = None,
 ) -> Eraser:
     """The eraser of one attribute from pre-LN vectors ``y`` [N, H], task
     labels and attribute labels (rows with a negative label are left out).
@@ -173,6 +178,13 @@ def fit_eraser(
     ``ridge`` is added to the within-class covariance's diagonal as a share
     of its mean variance (the normalised vectors are singular along the
     all-ones direction, and the least-variance directions are noise).
+
+    ``keep`` [H, m]: directions (in normalised coordinates) the eraser must
+    not change, e.g. what a linear task head reads (:func:`head_directions`).
+    The eraser then works in their orthogonal complement: it reads and
+    writes only there, zeroes the attribute's offsets there, and leaves
+    every row's coordinates along ``keep`` as they were, so the head's
+    logits do not move (before LayerNorm's rescaling of the row).
     """
     rows = np.asarray(labels) >= 0
     n, _ = normalised(np.asarray(y)[rows])
@@ -199,9 +211,17 @@ def fit_eraser(
                 counts[j] += cell.sum()
     cov = scatter / len(n)
     offsets /= np.maximum(counts, 1.0)[:, None]
+    if keep is not None:
+        kept = np.asarray(keep, np.float64)
+        kept = np.linalg.qr(kept - kept.mean(0))[0]  # n is centred: so is keep
+        comp = np.eye(dim) - kept @ kept.T
+        cov = comp @ cov @ comp
+        offsets = offsets @ comp
     # The offsets sum to 0 weighted by counts: r = C - 1 directions at most.
     u, s, _ = np.linalg.svd(offsets.T, full_matrices=False)
     d = u[:, s > 1e-6 * max(s.max(), 1e-30)][:, : len(values) - 1]
+    if keep is not None:
+        d = comp @ d
     reg = cov + ridge * np.trace(cov) / dim * np.eye(dim)
     read = np.linalg.solve(reg, d)
     gram = d.T @ read
@@ -209,6 +229,19 @@ def fit_eraser(
     # The separation before: the whitened norm of the offsets' span.
     sep = float(np.sqrt(max(np.trace(offsets @ np.linalg.solve(reg, offsets.T)), 0.0)))
     return Eraser(read=read, write=write, mean=n.mean(0), separation=sep)
+
+
+def head_directions(head: Any, gamma: np.ndarray, limit: int) -> np.ndarray | None:
+    """[H, m] what a task head's first dense layer reads, in the last
+    LayerNorm's normalised coordinates (its kernel's columns scaled by the
+    LayerNorm's ``gamma``); None when it reads more than ``limit``
+    directions (a hidden layer as wide as the representation), where
+    keeping them would leave the eraser no room."""
+    layers = sorted(k for k in head if k.startswith("hidden_")) or ["output"]
+    kernel = np.asarray(head[layers[0]]["kernel"], np.float64)
+    if kernel.shape[1] > limit:
+        return None
+    return np.asarray(gamma, np.float64)[:, None] * kernel
 
 
 def fit_readout(
@@ -339,7 +372,7 @@ def refit(
             f"config.diff.erasure_share={settings.share} of the {attribute!r} "
             f"diff's budget ({budget} entries) buys no row of {kernel} "
             f"({hidden} entries each, plus the bias): raise diff.keep or the "
-            "share, or set diff.erasure_share=0."
+            "share, or set diff.erasure='off'."
         )
     split = ctx.data.splits["train"]
     n_rows = len(split.task)
