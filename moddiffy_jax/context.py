@@ -196,10 +196,10 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
 
 
 def _check_erasure(config, method, model, pretrained) -> None:
-    """At start-up, not after training: the diffs' closed-form eraser
-    (``diff.erasure``) needs a BERT whose last FFN output the diffs cover."""
+    """At start-up, not after training: ``diff.erasure='on'`` needs a BERT
+    whose last FFN output the diffs cover ('auto' skips where it cannot)."""
     d = config.get("diff")
-    if d is None or method.debias != "modular" or d.get("erasure", "off") == "off":
+    if d is None or method.debias != "modular" or d.get("erasure", "off") != "on":
         return
     if not d.get("erasure_share", 0.0):
         return
@@ -208,7 +208,7 @@ def _check_erasure(config, method, model, pretrained) -> None:
 
     include, exclude = standard.diff_rules(config)
     paths = set(selection.select_paths(pretrained, include, exclude=exclude))
-    erasure_refit.check_model(model, paths)
+    erasure_refit.check_model(model, paths, d.get("word_rows", 0))
 
 
 def _swaps(

@@ -60,35 +60,41 @@ def output_paths(num_layers: int) -> tuple[str, str]:
     return KERNEL.format(last=last), BIAS.format(last=last)
 
 
-def check_model(model: Any, rules_paths: Any) -> None:
-    """Clear errors where the eraser cannot be written: it needs a BERT text
+def problem(model: Any, rules_paths: Any, word_rows: int = 0) -> str | None:
+    """Why the eraser cannot be written here, or None: it needs a BERT text
     model (post-LN, no adapter, layers not scanned) whose diffs may touch
     the last layer's FFN output."""
     cfg = getattr(model, "bert_config", None)
-    fix = "or set config.diff.erasure='off' to train the diffs without it."
     if cfg is None:
-        raise ValueError(
-            "config.diff.erasure writes a closed-form eraser into a "
-            f"BERT encoder's last layer; this model ({type(model).__name__}) "
-            f"has none: {fix}"
+        return (
+            "the eraser is written into a BERT encoder's last layer; this model "
+            f"({type(model).__name__}) has none"
         )
     if cfg.adapter_reduction_factor:
-        raise ValueError(
-            "config.diff.erasure reads the last layer's FFN output, "
-            f"which an adapter changes: {fix}"
-        )
+        return "the eraser reads the last layer's FFN output, which an adapter changes"
     if getattr(model.encoder, "scan_layers", False):
-        raise ValueError(
-            "config.diff.erasure reads the last layer's activations, "
-            "which a scanned layer stack does not expose: set "
-            f"config.model.scan_layers=False, {fix}"
+        return (
+            "the eraser reads the last layer's activations, which a scanned "
+            "layer stack does not expose (config.model.scan_layers=False does)"
         )
+    if word_rows:
+        return "config.diff.word_rows keeps the diffs to word-embedding rows"
     missing = [p for p in output_paths(cfg.num_hidden_layers) if p not in rules_paths]
     if missing:
+        return (
+            f"the eraser writes into {missing}, which the diff's rules "
+            "(config.diff.include / exclude) leave out"
+        )
+    return None
+
+
+def check_model(model: Any, rules_paths: Any, word_rows: int = 0) -> None:
+    """A clear error where :func:`problem` finds one."""
+    why = problem(model, rules_paths, word_rows)
+    if why:
         raise ValueError(
-            f"config.diff.erasure writes into {missing}, which the "
-            "diff's rules (config.diff.include / exclude) leave out: include "
-            f"them, {fix}"
+            f"config.diff.erasure='on': {why}. Set config.diff.erasure='auto' "
+            "(the eraser where it can be written) or 'off'."
         )
 
 

@@ -375,13 +375,14 @@ def finish(ctx, trainable: dict, frozen: dict, phase: str):
     record = {}
     indices = frozen["indices"]
     for key in keys:
+        paths = {p for p, _ in sparse[diff_name(key)].shapes}
+        why = erasure_refit.problem(ctx.model, paths, d.get("word_rows", 0))
         if mode == "auto" and _uses_swaps(ctx, key[-1]):
-            record[key[-1]] = {"skipped": "counterfactual swaps (diff.erasure='auto')"}
+            why = "trained with counterfactual swaps"
+        if why:  # only 'auto' gets here: 'on' was checked at start-up
+            record[key[-1]] = {"skipped": f"{why} (diff.erasure='auto')"}
             continue
         core = base_for_diff(ctx, trainable, frozen, key)
-        erasure_refit.check_model(
-            ctx.model, {p for p, _ in sparse[diff_name(key)].shapes}
-        )
         sd, record[key[-1]] = erasure_refit.refit(
             ctx,
             core,
