@@ -139,6 +139,24 @@ CASES = [
         r"keep=0.0: a float keep is the share.*\(0, 1\]",
     ),
     Case(
+        "unknown diff.erasure mode",
+        lambda t, w: [
+            "--config=configs/moddiffy_par.py:model=tiny",
+            "--config.diff.erasure=always",
+        ],
+        r"diff.erasure='always' is not one of \('auto', 'on', 'off'\)",
+    ),
+    Case(
+        "diff.erasure on where it cannot be written",
+        lambda t, w: [
+            "--config=configs/moddiffy_par.py:model=tiny",
+            "--config.diff.erasure=on",
+            "--config.diff.word_rows=4",
+        ],
+        r"diff.erasure='on': config.diff.word_rows keeps .* Set "
+        r"config.diff.erasure='auto'",
+    ),
+    Case(
         "unknown prune schedule",
         lambda t, w: [
             "--config=configs/moddiffy_par.py:model=tiny",
