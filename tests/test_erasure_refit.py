@@ -26,7 +26,7 @@ from moddiffy_jax.methods import erasure_refit as er
 from moddiffy_jax.methods import standard
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import selection
-from tests.test_removal import _data, _plant_gender
+from tests.test_removal import _data, planted_core, post_config
 
 
 def _cells(seed, num_values):
@@ -104,16 +104,12 @@ def test_trim_keeps_the_room_and_the_largest_entries_within_budget():
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     """The planted tiny core of tests/test_removal.py: its run directory."""
-    tmp_path = tmp_path_factory.mktemp("planted_erasure")
-    core_cfg = experiment_config("finetune", "model=tiny")
-    core_cfg.unlock()
-    _data(core_cfg)
-    core_cfg.train.num_steps = 48
-    core_cfg.optim.lr_encoder = 1e-3
-    core_cfg.lock()
-    train.train_and_evaluate(core_cfg, tmp_path / "core")
-    _plant_gender(tmp_path / "core")
-    return tmp_path / "core"
+    return planted_core(tmp_path_factory.mktemp("planted_erasure"))
+
+
+def _tiny_post(core_dir, **fields):
+    """A short tiny MoDDiffy-post run's config on ``core_dir``."""
+    return post_config(core_dir, 20, 4, eval__leakage=False, **fields)
 
 
 def _post_context(core_dir):
@@ -202,15 +198,7 @@ def test_the_eraser_alone_removes_gender_from_pretrained_minilm():
 
 
 def test_a_trained_diff_keeps_its_exact_budget_with_the_eraser(planted, tmp_path):
-    config = experiment_config("moddiffy_post", "model=tiny")
-    config.unlock()
-    _data(config)
-    config.method.core_run = str(planted)
-    config.train.l0_steps = 20
-    config.train.fixmask_steps = 4
-    config.eval.leakage = False
-    config.diff.erasure = "on"
-    config.lock()
+    config = _tiny_post(planted, diff__erasure="on")
     results = train.train_and_evaluate(config, tmp_path / "run")
     record = results["finish"]["gender"]
     sd = diffs_lib.load_sparse_diff(
@@ -223,15 +211,7 @@ def test_a_trained_diff_keeps_its_exact_budget_with_the_eraser(planted, tmp_path
 def test_auto_leaves_swap_diffs_and_the_config_is_checked(planted, tmp_path):
     """``diff.erasure='auto'`` leaves a diff trained with counterfactual
     swaps as trained; a bad mode or share is one clear error at start-up."""
-    config = experiment_config("moddiffy_post", "model=tiny")
-    config.unlock()
-    _data(config)
-    config.method.core_run = str(planted)
-    config.method.swap_weight = 10.0
-    config.train.l0_steps = 20
-    config.train.fixmask_steps = 4
-    config.eval.leakage = False
-    config.lock()
+    config = _tiny_post(planted, method__swap_weight=10.0)
     results = train.train_and_evaluate(config, tmp_path / "run")
     assert "swaps" in results["finish"]["gender"]["skipped"]
     for field, value, match in (

@@ -85,7 +85,12 @@ def _plant_gender(core_dir):
 def planted(tmp_path_factory):
     """A tiny finetune core, gender planted (shared by this module's tests);
     its run directory."""
-    tmp_path = tmp_path_factory.mktemp("planted")
+    return planted_core(tmp_path_factory.mktemp("planted"))
+
+
+def planted_core(tmp_path):
+    """Trains the tiny finetune core in ``tmp_path / "core"`` and plants
+    gender into it; its run directory."""
     core_cfg = experiment_config("finetune", "model=tiny")
     core_cfg.unlock()
     _data(core_cfg)
@@ -97,18 +102,26 @@ def planted(tmp_path_factory):
     return tmp_path / "core"
 
 
-def _train_diff(core, tmp_path, name, **method_overrides):
-    """MoDDiffy-post on the planted ``core`` into ``tmp_path / name``; its config."""
+def post_config(core, l0_steps, fixmask_steps, **fields):
+    """A tiny MoDDiffy-post config on the planted ``core`` (``fields``:
+    ``section__field`` overrides)."""
     config = experiment_config("moddiffy_post", "model=tiny")
     config.unlock()
     _data(config)
     config.method.core_run = str(core)
-    config.train.l0_steps = 80
-    config.train.fixmask_steps = 20
-    config.optim.lr_diff = 1e-3
-    for key, value in method_overrides.items():
-        config.method[key] = value
+    config.train.l0_steps = l0_steps
+    config.train.fixmask_steps = fixmask_steps
+    for key, value in fields.items():
+        section, field = key.split("__")
+        config[section][field] = value
     config.lock()
+    return config
+
+
+def _train_diff(core, tmp_path, name, **method_overrides):
+    """MoDDiffy-post on the planted ``core`` into ``tmp_path / name``; its config."""
+    fields = {f"method__{k}": v for k, v in method_overrides.items()}
+    config = post_config(core, 80, 20, optim__lr_diff=1e-3, **fields)
     train.train_and_evaluate(config, tmp_path / name)
     return config
 
