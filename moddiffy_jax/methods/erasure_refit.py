@@ -35,6 +35,14 @@ added to the trained diff, whose other entries are trimmed by magnitude so
 that the diff keeps its exact budget (``diff.erasure_share`` of it goes to
 the eraser). Fit on the training split with the trained diff added; nothing
 is differentiated, so a resumed run refits to the same diff.
+
+Limits, measured (docs/efficacy.md, stop 55): the removal is linear (a
+converged MLP still reads most of it); on diffs trained with
+counterfactual swaps it overshoots the floor (``diff.erasure="auto"``
+leaves those as trained); erasers fitted for single diffs do not remove
+when the diffs are composed; where the CLS vectors nearly share one
+direction (the tiny test BERT) LayerNorm's renormalisation puts back what
+the eraser took out.
 """
 
 from __future__ import annotations
@@ -176,7 +184,6 @@ def fit_eraser(
     labels: np.ndarray,
     *,
     ridge: float = 1e-3,
-    keep: np.ndarray | None = None,
 ) -> Eraser:
     """The eraser of one attribute from pre-LN vectors ``y`` [N, H], task
     labels and attribute labels (rows with a negative label are left out).
@@ -184,13 +191,6 @@ def fit_eraser(
     ``ridge`` is added to the within-class covariance's diagonal as a share
     of its mean variance (the normalised vectors are singular along the
     all-ones direction, and the least-variance directions are noise).
-
-    ``keep`` [H, m]: directions (in normalised coordinates) the eraser must
-    not change, e.g. what a linear task head reads (:func:`head_directions`).
-    The eraser then works in their orthogonal complement: it reads and
-    writes only there, zeroes the attribute's offsets there, and leaves
-    every row's coordinates along ``keep`` as they were, so the head's
-    logits do not move (before LayerNorm's rescaling of the row).
     """
     rows = np.asarray(labels) >= 0
     n, _ = normalised(np.asarray(y)[rows])
@@ -217,17 +217,9 @@ def fit_eraser(
                 counts[j] += cell.sum()
     cov = scatter / len(n)
     offsets /= np.maximum(counts, 1.0)[:, None]
-    if keep is not None:
-        kept = np.asarray(keep, np.float64)
-        kept = np.linalg.qr(kept - kept.mean(0))[0]  # n is centred: so is keep
-        comp = np.eye(dim) - kept @ kept.T
-        cov = comp @ cov @ comp
-        offsets = offsets @ comp
     # The offsets sum to 0 weighted by counts: r = C - 1 directions at most.
     u, s, _ = np.linalg.svd(offsets.T, full_matrices=False)
     d = u[:, s > 1e-6 * max(s.max(), 1e-30)][:, : len(values) - 1]
-    if keep is not None:
-        d = comp @ d
     reg = cov + ridge * np.trace(cov) / dim * np.eye(dim)
     read = np.linalg.solve(reg, d)
     gram = d.T @ read
@@ -235,19 +227,6 @@ def fit_eraser(
     # The separation before: the whitened norm of the offsets' span.
     sep = float(np.sqrt(max(np.trace(offsets @ np.linalg.solve(reg, offsets.T)), 0.0)))
     return Eraser(read=read, write=write, mean=n.mean(0), separation=sep)
-
-
-def head_directions(head: Any, gamma: np.ndarray, limit: int) -> np.ndarray | None:
-    """[H, m] what a task head's first dense layer reads, in the last
-    LayerNorm's normalised coordinates (its kernel's columns scaled by the
-    LayerNorm's ``gamma``); None when it reads more than ``limit``
-    directions (a hidden layer as wide as the representation), where
-    keeping them would leave the eraser no room."""
-    layers = sorted(k for k in head if k.startswith("hidden_")) or ["output"]
-    kernel = np.asarray(head[layers[0]]["kernel"], np.float64)
-    if kernel.shape[1] > limit:
-        return None
-    return np.asarray(gamma, np.float64)[:, None] * kernel
 
 
 def fit_readout(
