@@ -708,13 +708,13 @@ def check_prune_config(d: ml_collections.ConfigDict) -> None:
             f"config.diff.erasure_share={share!r}: the share of each attribute "
             "diff's budget given to its closed-form eraser, in [0, 1) (0: off)."
         )
-    erasing = share and d.get("erasure", "off") != "off"
+    erasing = share and d.get("erasure", "off") == "on"
     if erasing and (d.get("scope", "global") != "global" or d.structured):
         raise ValueError(
-            "config.diff.erasure_share > 0 writes whole rows of one matrix, "
-            "which a per-leaf or structured budget cannot hold: set "
-            "diff.scope='global' and diff.structured=False, or "
-            "diff.erasure='off'."
+            "config.diff.erasure='on' writes whole rows of one matrix, which a "
+            "per-leaf or structured budget cannot hold: set diff.scope='global' "
+            "and diff.structured=False, or diff.erasure='auto' (skips it here) "
+            "or 'off'."
         )
     if schedule == "gradual" and d.structured:
         raise ValueError(

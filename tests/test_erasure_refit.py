@@ -224,3 +224,16 @@ def test_auto_leaves_swap_diffs_and_the_config_is_checked(planted, tmp_path):
             bad.diff[field] = value
         with pytest.raises(ValueError, match=match):
             train.build_context(bad)
+    # A per-leaf budget cannot hold whole rows: an error for "on", and
+    # "auto" (the default) builds and would skip the eraser.
+    for mode in ("on", "auto"):
+        config = experiment_config("moddiffy_post", "model=tiny")
+        with config.unlocked():
+            config.method.core_run = str(planted)
+            config.diff.scope = "per_leaf"
+            config.diff.erasure = mode
+        if mode == "on":
+            with pytest.raises(ValueError, match="per-leaf or structured"):
+                train.build_context(config)
+        else:
+            train.build_context(config)

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moddiffy_jax.subnets import diffs as diffs_lib
+from moddiffy_jax.subnets import sparse_diff
 
 #: The last layer's FFN output, relative to the encoder params.
 KERNEL = "encoder/layer_{last}/output/dense/kernel"
@@ -266,7 +267,7 @@ def r_squared(pred: np.ndarray, target: np.ndarray) -> float:
 def budget_of(sd: diffs_lib.SparseDiff, keep: float | int) -> int:
     """The diff's exact budget, as the cut to fixmask counts it."""
     total = sum(int(np.prod(shape)) for _, shape in sd.shapes)
-    return int(keep) if isinstance(keep, int) else int(round(keep * total))
+    return sparse_diff.resolve_keep(keep, total, "the diff's leaves")
 
 
 def eraser_units(budget: int, share: float, hidden: int) -> int:

@@ -377,6 +377,8 @@ def finish(ctx, trainable: dict, frozen: dict, phase: str):
     for key in keys:
         paths = {p for p, _ in sparse[diff_name(key)].shapes}
         why = erasure_refit.problem(ctx.model, paths, d.get("word_rows", 0))
+        if d.get("scope", "global") != "global" or d.structured:
+            why = "a per-leaf or structured budget cannot hold whole rows"
         if mode == "auto" and _uses_swaps(ctx, key[-1]):
             why = "trained with counterfactual swaps"
         if why:  # only 'auto' gets here: 'on' was checked at start-up

@@ -515,7 +515,9 @@ def apply_sparse_values(base: PyTree, diff: SparseDiff, values: PyTree) -> PyTre
 # -----------------------------------------------------------------------------
 
 
-def _resolve_keep(keep: int | float, n: int, where: str) -> int:
+def resolve_keep(keep: int | float, n: int, where: str) -> int:
+    """How many of ``n`` entries ``keep`` (an int count or a float fraction,
+    Python rounding) keeps: the count :func:`prune_to_sparsity` cuts to."""
     if isinstance(keep, bool):
         raise TypeError(f"keep must be an int count or a float fraction, got {keep}.")
     if isinstance(keep, (int, np.integer)):
@@ -628,13 +630,13 @@ def _keep_selection(values_subtree, keep, scope, eligible):
         return sum(int(ok[p].sum()) for p in paths)
 
     if scope == "global":
-        k = _resolve_keep(keep, sum(a.size for a in arrays.values()), "all leaves")
+        k = resolve_keep(keep, sum(a.size for a in arrays.values()), "all leaves")
         k = min(k, n_eligible(list(arrays)))
         kept = _select_topk_masks(leaves, k, mdtype, ok)
     elif scope == "per_leaf":
         kept = {}
         for p, a in leaves:
-            k_leaf = min(_resolve_keep(keep, a.size, repr(p)), n_eligible([p]))
+            k_leaf = min(resolve_keep(keep, a.size, repr(p)), n_eligible([p]))
             kept.update(_select_topk_masks([(p, a)], k_leaf, mdtype, ok))
         k = sum(int(np.count_nonzero(m)) for m in kept.values())
     else:
