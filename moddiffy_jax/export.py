@@ -2,9 +2,11 @@
 
 Process 0 writes ``export/core.safetensors``, ``export/task_head.safetensors``
 and one ``export/diffs/<name>.safetensors`` per diff the method exports
-(``Method.exports``); every process computes the composition table (task
-accuracy of the core, each diff and every larger subset of diffs), the
-bias-aligned / conflicting and OOD rows, and the method's own report.
+(``Method.exports``; a correction fit for a composition of diffs,
+``gender+age``, goes to ``export/joint/``); every process computes the
+composition table (task accuracy of the core, each diff and every larger
+subset of diffs), the bias-aligned / conflicting and OOD rows, and the
+method's own report.
 
 The export is staged and lands whole, with its manifest
 (:mod:`moddiffy_jax.manifest`).
@@ -28,6 +30,7 @@ from moddiffy_jax.manifest import (  # noqa: F401 - re-exported
     verify_export,
     write_manifest,
 )
+from moddiffy_jax.methods import joint_erasure
 from moddiffy_jax.subnets import diffs as diffs_lib
 
 
@@ -92,7 +95,9 @@ def _write_export(ctx, stage, core, head, sparse, trainable, frozen, fp, chief):
             export / "task_head.safetensors", head, metadata=meta, overwrite=True
         )
     for name, sd in sparse.items():
-        path = export / "diffs" / f"{name}.safetensors"
+        # A correction of a composition (gender+age) goes beside the diffs.
+        folder = "joint" if joint_erasure.is_joint(name) else "diffs"
+        path = export / folder / f"{name}.safetensors"
         if chief:
             path.parent.mkdir(parents=True, exist_ok=True)
             diffs_lib.save_sparse_diff(path, sd, overwrite=True)

@@ -55,6 +55,11 @@ def exported_diffs(workdir):
     return sorted((workdir / "export" / "diffs").glob("*.safetensors"))
 
 
+def exported_corrections(workdir):
+    """The exported corrections of compositions (``export/joint``), sorted."""
+    return sorted((workdir / "export" / "joint").glob("*.safetensors"))
+
+
 def check_run(workdir, results, method):
     """Checks what every finished tiny run writes; returns its exported core."""
     assert (workdir / "config.json").is_file()

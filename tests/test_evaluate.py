@@ -250,7 +250,8 @@ def test_known_representations_are_not_encoded_again(run, monkeypatch):
         evaluator_lib.Evaluator(ctx),
         art.core,
         art.head,
-        {a: art.diffs[a] for a in ctx.attributes},  # the run's order
+        # The run's order, and the correction of the two diffs' composition.
+        {**{a: art.diffs[a] for a in ctx.attributes}, **art.joint},
         ("dev", "test"),
         reps_out=known,
     )

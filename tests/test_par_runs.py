@@ -22,9 +22,17 @@ import pytest
 
 from moddiffy_jax import checkpoints, train
 from moddiffy_jax.eval import composition
+from moddiffy_jax.eval.evaluator import compositions
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import selection
-from tests.helpers import TINY_PAR_CLI, check_run, cli_env, exported_diffs, tiny
+from tests.helpers import (
+    TINY_PAR_CLI,
+    check_run,
+    cli_env,
+    exported_corrections,
+    exported_diffs,
+    tiny,
+)
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -60,6 +68,15 @@ def test_moddiffy_par_exports_exact_budget_diffs(par_run):
     a, b = (diffs_lib.load_sparse_diff(f) for f in files)
     assert any(np.any(np.asarray(v) != 0) for v in a.values.values())
     assert a.indices.keys() == b.indices.keys()
+    # Both diffs erased (diff.erasure='auto', MMD): one correction of their
+    # composition beside them, within the rows their erasers hold.
+    (fix_file,) = exported_corrections(workdir)
+    assert fix_file.stem == "gender+age"
+    fix = diffs_lib.load_sparse_diff(fix_file, base=core)  # fingerprint checked
+    eraser_entries = sum(results["finish"][a]["entries"] for a in ("gender", "age"))
+    assert 0 < fix.nnz() <= eraser_entries
+    assert results["diffs"]["gender+age"]["nnz"] == fix.nnz()
+    assert set(results["finish"]["gender+age"]["attributes"]) == {"gender", "age"}
 
 
 def test_exported_diff_composition_matches_results(par_run):
@@ -71,11 +88,33 @@ def test_exported_diff_composition_matches_results(par_run):
     head, _ = checkpoints.load_params(workdir / "export" / "task_head.safetensors")
     files = {f.stem: f for f in exported_diffs(workdir)}
     diffs = [diffs_lib.load_sparse_diff(files[n], base=core) for n in ("gender", "age")]
+    (fix_file,) = exported_corrections(workdir)
+    fix = diffs_lib.load_sparse_diff(fix_file, base=core)
     evaluator = train.Evaluator(ctx)
-    params = evaluator.compose(core, diffs)
-    acc = evaluator.task_accuracy(params, head, "dev")
+    # The row of both diffs adds their correction (methods/joint_erasure.py).
+    params = evaluator.compose(core, [*diffs, fix])
+    acc, h = evaluator.accuracy_and_reps(params, head, "dev")
     assert acc == pytest.approx(
         results["composition"]["core+gender+age"]["dev_task_acc"]
+    )
+    art = composition.load_artifacts(workdir)
+    assert sorted(art.diffs) == ["age", "gender"] and list(art.joint) == ["gender+age"]
+    rows = {
+        label: p
+        for label, _, p in compositions(
+            evaluator, art.core, {**art.diffs, **art.joint}, ("gender", "age")
+        )
+    }
+    np.testing.assert_array_equal(
+        evaluator.forward.represent_split(
+            rows["core+gender+age"], ctx.data.splits["dev"]
+        ),
+        h,
+    )
+    # Without the correction the composition differs.
+    plain = evaluator.compose(core, diffs)
+    assert not np.array_equal(
+        evaluator.forward.represent_split(plain, ctx.data.splits["dev"]), h
     )
 
 
@@ -86,9 +125,9 @@ def _assert_same_exports(full_dir, workdir):
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
             np.testing.assert_array_equal(x, y)
     assert exported_diffs(full_dir)
-    for f in exported_diffs(full_dir):
+    for f in exported_diffs(full_dir) + exported_corrections(full_dir):
         a = diffs_lib.load_sparse_diff(f)
-        b = diffs_lib.load_sparse_diff(workdir / "export" / "diffs" / f.name)
+        b = diffs_lib.load_sparse_diff(workdir / "export" / f.parent.name / f.name)
         for p in a.indices:
             np.testing.assert_array_equal(a.indices[p], b.indices[p])
             np.testing.assert_array_equal(a.values[p], b.values[p])
@@ -168,6 +207,28 @@ def test_data_parallel_run_equals_the_single_device_run(par_run, two_device_run)
                 assert gap <= 5e-2 * np.linalg.norm(a.values[p]), (p, gap)
                 continue
             np.testing.assert_allclose(a.values[p], b.values[p], rtol=1e-4, atol=1e-5)
+    # The correction of the composition (methods/joint_erasure.py) is the
+    # difference of two such fits: what must agree within 5% is what it
+    # makes of the composed last layer, both diffs and the correction added.
+    (fix,) = exported_corrections(one)
+    parts = [*exported_diffs(one), fix]
+    for p in diffs_lib.load_sparse_diff(fix).indices:
+        a, b = (
+            sum(
+                _dense(diffs_lib.load_sparse_diff(run / f.parent.name / f.name), p)
+                for f in parts
+            )
+            for run in (one / "export", two / "export")
+        )
+        gap = np.linalg.norm(a - b)
+        assert gap <= 5e-2 * np.linalg.norm(a), (p, gap)
+
+
+def _dense(sd, path):
+    """The values of ``sd`` at ``path`` as a dense flat array."""
+    out = np.zeros(int(np.prod(dict(sd.shapes)[path])), np.float64)
+    out[np.asarray(sd.indices[path])] = np.asarray(sd.values[path])
+    return out
 
 
 def test_killed_runs_resume_to_the_uninterrupted_result(two_device_run, tmp_path):

@@ -99,6 +99,8 @@ class RunArtifacts:
     core: Any
     head: Any
     diffs: dict[str, diffs_lib.SparseDiff]
+    #: Corrections of compositions (``gender+age``; methods/joint_erasure.py).
+    joint: dict[str, diffs_lib.SparseDiff] = dataclasses.field(default_factory=dict)
 
     @property
     def attribute_diffs(self) -> list[str]:
@@ -131,7 +133,11 @@ def load_artifacts(workdir: str | Path) -> RunArtifacts:
         # A diff from another base is refused here with a message naming both
         # fingerprints.
         diffs[path.stem] = diffs_lib.load_sparse_diff(path, base=core)
-    return RunArtifacts(core=core, head=head, diffs=diffs)
+    joint = {
+        path.stem: diffs_lib.load_sparse_diff(path, base=core)
+        for path in sorted((export / "joint").glob("*.safetensors"))
+    }
+    return RunArtifacts(core=core, head=head, diffs=diffs, joint=joint)
 
 
 def _aligned_mask(split: Any) -> np.ndarray | None:
@@ -498,7 +504,7 @@ def evaluate_run(
         for label, subset, params in compositions(
             evaluator,
             art.core,
-            art.diffs,
+            {**art.diffs, **art.joint},
             names,
             weights=weights,
             max_subset_size=max_subset_size,
@@ -575,6 +581,11 @@ def evaluate_run(
             n: {"nnz": int(d.nnz()), "density": float(d.density())}
             for n, d in art.diffs.items()
         },
+        **(
+            {"joint": {n: {"nnz": int(d.nnz())} for n, d in art.joint.items()}}
+            if art.joint
+            else {}
+        ),
         "weights": weights,
         "probe_config": dataclasses.asdict(probe_config),
         "bias": dict(getattr(ctx.data, "bias_summary", {}) or {}),

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moddiffy_jax.eval.forward import Forward
+from moddiffy_jax.methods import joint_erasure
 from moddiffy_jax.subnets import diffs as diffs_lib
 
 if TYPE_CHECKING:
@@ -90,9 +91,13 @@ def compositions(
 
     A ``task`` diff (DiffPrun, LoRA) is part of the model: it is added to the
     core in every row. ``names`` orders the attribute diffs (default: the
-    order of ``diffs``); ``weights`` scales them (default 1).
+    order of ``diffs``); ``weights`` scales them (default 1). A correction
+    in ``diffs`` (``gender+age``, methods/joint_erasure.py) is added to the
+    row of exactly its diffs when each has weight 1.
     """
     weights = dict(weights or {})
+    diffs, joint = joint_erasure.split_joint(diffs)
+    joint = {joint_erasure.members(n): d for n, d in joint.items()}
     base = core
     if "task" in diffs:
         base = evaluator.compose(core, [diffs["task"]])
@@ -100,7 +105,11 @@ def compositions(
     attr_diffs = [diffs[n] for n in names]
     for subset in subsets(names, max_subset_size):
         w = [weights.get(n, 1.0) if n in subset else 0.0 for n in names]
-        params = evaluator.compose(base, attr_diffs, w) if names else base
+        fix = joint.get(frozenset(subset))
+        if fix is not None and all(weights.get(n, 1.0) == 1.0 for n in subset):
+            params = evaluator.compose(base, [*attr_diffs, fix], [*w, 1.0])
+        else:
+            params = evaluator.compose(base, attr_diffs, w) if names else base
         yield subset_label(subset, weights), subset, params
 
 

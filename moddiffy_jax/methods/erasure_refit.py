@@ -40,7 +40,8 @@ Limits, measured (docs/efficacy.md, stop 55): the removal is linear (a
 converged MLP still reads most of it); on diffs trained with
 counterfactual swaps it overshoots the floor (``diff.erasure="auto"``
 leaves those as trained); erasers fitted for single diffs do not remove
-when the diffs are composed; where the CLS vectors nearly share one
+when the diffs are composed (:mod:`moddiffy_jax.methods.joint_erasure`
+fits them again on each composition); where the CLS vectors nearly share one
 direction (the tiny test BERT) LayerNorm's renormalisation puts back what
 the eraser took out.
 """
@@ -333,6 +334,61 @@ class Settings:
     seed: int = 0
 
 
+def fit_split(ctx: Any, settings: Settings) -> Any:
+    """The training rows an eraser is fit on (a seeded sample of
+    ``settings.examples`` where the split is larger)."""
+    from moddiffy_jax.data.dataset import subset_split
+
+    split = ctx.data.splits["train"]
+    n_rows = len(split.task)
+    if n_rows > settings.examples:
+        pick = np.random.default_rng(settings.seed).choice(
+            n_rows, settings.examples, replace=False
+        )
+        split = subset_split(split, np.sort(pick))
+    return split
+
+
+def write_eraser(
+    y: np.ndarray,
+    g: np.ndarray,
+    task: np.ndarray,
+    labels: np.ndarray,
+    units: np.ndarray,
+    paths: tuple[str, str],
+    ridge: float,
+) -> tuple[dict, dict]:
+    """The eraser of ``labels`` fit on features ``(y, g)``, written into
+    ``units`` rows of the kernel and the bias (``paths``): ``(additions,
+    record)``, additions as ``path -> (flat indices, values)``."""
+    kernel, bias = paths
+    hidden = y.shape[1]
+    room = support(units, hidden, kernel, bias)
+    eraser = fit_eraser(y, task, labels, ridge=ridge)
+    target = eraser.coordinates(y)
+    a, c = fit_readout(g[:, units], target)
+    additions = {
+        kernel: (room[kernel], -(a @ eraser.write.T).reshape(-1)),
+        bias: (room[bias], -(c @ eraser.write.T)),
+    }
+    record = {
+        "readout_r2": r_squared(g[:, units] @ a + c, target),
+        "separation_before": eraser.separation,
+        "rank": int(eraser.write.shape[1]),
+    }
+    return additions, record
+
+
+@dataclasses.dataclass(frozen=True)
+class Refit:
+    """A diff with its eraser folded in, what the eraser added and where."""
+
+    diff: diffs_lib.SparseDiff
+    record: dict
+    units: np.ndarray
+    additions: dict  # path -> (flat indices, values)
+
+
 def refit(
     ctx: Any,
     core: Any,
@@ -341,32 +397,24 @@ def refit(
     settings: Settings,
     compose: Any,
     forward: Any,
-) -> tuple[diffs_lib.SparseDiff, dict]:
+) -> Refit:
     """The attribute's diff with the eraser folded in, and a record.
 
     ``compose(core, sd) -> params``; ``forward`` gives the split's batches.
     """
-    from moddiffy_jax.data.dataset import subset_split
-
     bert = ctx.model.bert_config
     hidden = bert.hidden_size
-    kernel, bias = output_paths(bert.num_hidden_layers)
+    paths = output_paths(bert.num_hidden_layers)
     budget = budget_of(sd, ctx.config.diff.keep)
     k = min(eraser_units(budget, settings.share, hidden), bert.intermediate_size)
     if k < 1:
         raise ValueError(
             f"config.diff.erasure_share={settings.share} of the {attribute!r} "
-            f"diff's budget ({budget} entries) buys no row of {kernel} "
+            f"diff's budget ({budget} entries) buys no row of {paths[0]} "
             f"({hidden} entries each, plus the bias): raise diff.keep or the "
             "share, or set diff.erasure='off'."
         )
-    split = ctx.data.splits["train"]
-    n_rows = len(split.task)
-    if n_rows > settings.examples:
-        pick = np.random.default_rng(settings.seed).choice(
-            n_rows, settings.examples, replace=False
-        )
-        split = subset_split(split, np.sort(pick))
+    split = fit_split(ctx, settings)
     task, labels = np.asarray(split.task), np.asarray(split.attrs[attribute])
     fn = feature_fn(ctx.model)
     # 1. Which units: from the trained diff as it is.
@@ -374,22 +422,12 @@ def refit(
     first = fit_eraser(y, task, labels, ridge=settings.ridge)
     units = choose_units(g, first.coordinates(y), k)
     # 2. Make room, refit on the trimmed diff's features.
-    room = support(units, hidden, kernel, bias)
+    room = support(units, hidden, *paths)
     before = sd.nnz()
     sd = trim(sd, room, budget)
     y, g = features(fn, forward, compose(core, sd), split)
-    eraser = fit_eraser(y, task, labels, ridge=settings.ridge)
-    target = eraser.coordinates(y)
-    a, c = fit_readout(g[:, units], target)
-    fitted = r_squared(g[:, units] @ a + c, target)
-    rows = -(a @ eraser.write.T)  # [k, H]
-    sd = add_entries(
-        sd,
-        {
-            kernel: (room[kernel], rows.reshape(-1)),
-            bias: (room[bias], -(c @ eraser.write.T)),
-        },
-    )
+    additions, fit = write_eraser(y, g, task, labels, units, paths, settings.ridge)
+    sd = add_entries(sd, additions)
     info = json.loads(sd.info_json or "{}")
     info["erasure"] = {
         "units": int(k),
@@ -404,8 +442,6 @@ def refit(
         "nnz": int(sd.nnz()),
         "budget": int(budget),
         "fit_rows": int(len(task)),
-        "readout_r2": fitted,
-        "separation_before": eraser.separation,
-        "rank": int(eraser.write.shape[1]),
+        **fit,
     }
-    return sd, record
+    return Refit(diff=sd, record=record, units=units, additions=additions)

@@ -34,6 +34,10 @@ from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import masks as masks_lib
 from moddiffy_jax.subnets import selection
 
+#: ``frozen[JOINT]``: the corrections :func:`finish` fits for compositions
+#: of erased diffs (``name -> SparseDiff``, methods/joint_erasure.py).
+JOINT = "joint_corrections"
+
 
 def diff_keys(method: common.MethodDef, attributes: Sequence[str]) -> list[common.Key]:
     keys: list[common.Key] = []
@@ -346,6 +350,10 @@ def diff_config() -> ml_collections.ConfigDict:
     d.erasure_share = 0.5
     d.erasure_ridge = 1e-3
     d.erasure_examples = 20000
+    # Two or more erased diffs: their erasers fitted again on each
+    # composition and stored as a correction beside them
+    # (methods/joint_erasure.py; export/joint/<a>+<b>.safetensors).
+    d.erasure_joint = True
     return d
 
 
@@ -372,7 +380,7 @@ def finish(ctx, trainable: dict, frozen: dict, phase: str):
     )
     evaluator = Evaluator(ctx)
     sparse = sparse_diffs_of(ctx, trainable, frozen, phase)
-    record = {}
+    record, refits = {}, {}
     indices = frozen["indices"]
     for key in keys:
         paths = {p for p, _ in sparse[diff_name(key)].shapes}
@@ -385,7 +393,7 @@ def finish(ctx, trainable: dict, frozen: dict, phase: str):
             record[key[-1]] = {"skipped": f"{why} (diff.erasure='auto')"}
             continue
         core = base_for_diff(ctx, trainable, frozen, key)
-        sd, record[key[-1]] = erasure_refit.refit(
+        done = erasure_refit.refit(
             ctx,
             core,
             sparse[diff_name(key)],
@@ -394,6 +402,8 @@ def finish(ctx, trainable: dict, frozen: dict, phase: str):
             compose=lambda c, s: evaluator.compose(c, [s]),
             forward=evaluator.forward,
         )
+        record[key[-1]], refits[key[-1]] = done.record, done
+        sd = done.diff
         kept = [p for p in sd.indices if np.size(sd.indices[p])]
         trainable = common.set_part(
             trainable, key, selection.unflatten({p: sd.values[p] for p in kept})
@@ -401,7 +411,34 @@ def finish(ctx, trainable: dict, frozen: dict, phase: str):
         indices = common.set_part(
             indices, key, selection.unflatten({p: sd.indices[p] for p in kept})
         )
-    return trainable, {**frozen, "indices": indices}, record
+    frozen = {**frozen, "indices": indices}
+    if d.get("erasure_joint", False) and len(refits) > 1:
+        from moddiffy_jax.methods import joint_erasure
+
+        # Every erased diff shares the core (MoDDiffy-par, -post).
+        core = base_for_diff(ctx, trainable, frozen, keys[0])
+        corrections = {}
+        for subset in joint_erasure.subsets(list(refits)):
+            name = joint_erasure.joint_name(subset)
+            corrections[name], record[name] = joint_erasure.correction(
+                ctx,
+                core,
+                refits,
+                subset,
+                settings,
+                compose=evaluator.compose,
+                forward=evaluator.forward,
+            )
+        frozen[JOINT] = corrections
+    return trainable, frozen, record
+
+
+def exports(
+    ctx, trainable: Mapping, frozen: Mapping, phase: str
+) -> dict[str, diffs_lib.SparseDiff]:
+    """The diffs (:func:`sparse_diffs_of`) and, once :func:`finish` has fit
+    them, the corrections of their compositions (``gender+age``)."""
+    return {**sparse_diffs_of(ctx, trainable, frozen, phase), **frozen.get(JOINT, {})}
 
 
 def _uses_swaps(ctx, attribute: str) -> bool:
@@ -436,7 +473,7 @@ def _family(name: str, encoder: str, debias: str, description: str) -> Method:
         next_shapes_settled=next_shapes_settled,
         checkpoint_extra=checkpoint_extra,
         restore=restore,
-        exports=sparse_diffs_of,
+        exports=exports,
         config_sections=lambda: {"diff": diff_config()},
     )
 
