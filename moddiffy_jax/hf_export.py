@@ -147,6 +147,7 @@ def export_hf(
     from moddiffy_jax import checkpoints
     from moddiffy_jax.config_lib import VISION_DATA
     from moddiffy_jax.eval import composition
+    from moddiffy_jax.methods import joint_erasure
     from moddiffy_jax.models import bert_files, text
     from moddiffy_jax.models.bert_model import BertConfig
     from moddiffy_jax.subnets import diffs as diffs_lib
@@ -171,11 +172,14 @@ def export_hf(
             f"{sorted(artifacts.diffs) or 'none'}."
         )
     names = sorted(diffs)
-    params = diffs_lib.apply_diffs(
-        artifacts.core,
-        [artifacts.diffs[n] for n in names],
-        [diffs[n] for n in names],
-    )
+    added = [artifacts.diffs[n] for n in names]
+    weights = [diffs[n] for n in names]
+    # Two or more erased diffs at weight 1: their composition's correction
+    # (methods/joint_erasure.py), as the run's composition table adds it.
+    fix = joint_erasure.correction_for(artifacts.joint, diffs)
+    if fix is not None:
+        added, weights = [*added, fix], [*weights, 1.0]
+    params = diffs_lib.apply_diffs(artifacts.core, added, weights)
     tensors = hf_state_dict(params)
     model = config.model
     base_json: dict | None = None
@@ -207,6 +211,7 @@ def export_hf(
             "run": str(workdir.resolve()),
             "method": config.method.name,
             "diffs": {n: diffs[n] for n in names},
+            **({"joint_correction": fix.name} if fix is not None else {}),
             "core_fingerprint": diffs_lib.fingerprint(artifacts.core),
             "encoder_fingerprint": diffs_lib.fingerprint(params),
             "task_head": HEAD_FILE,

@@ -408,6 +408,18 @@ def test_hugging_face_export_round_trip(par_run, tmp_path):
     run_head, _ = checkpoints.load_params(workdir / "export" / "task_head.safetensors")
     for x, y in zip(jax.tree.leaves(head), jax.tree.leaves(run_head), strict=True):
         np.testing.assert_array_equal(x, y)
+    # Both at weight 1: the composition's correction is added, as in the
+    # run's table (methods/joint_erasure.py).
+    hf_export.export_hf(workdir, tmp_path / "both", {"gender": 1.0, "age": 1.0})
+    (fix_file,) = exported_corrections(workdir)
+    fix = diffs_lib.load_sparse_diff(fix_file, base=core)
+    want = diffs_lib.apply_diffs(core, [*d, fix], [1.0, 1.0, 1.0])
+    _, got = bert_files.load_pretrained(tmp_path / "both")
+    flat_got, flat_want = selection.flatten(got), selection.flatten(want)
+    for p in flat_want:
+        np.testing.assert_array_equal(np.asarray(flat_got[p]), np.asarray(flat_want[p]))
+    info = json.loads((tmp_path / "both" / "moddiffy.json").read_text())
+    assert info["joint_correction"] == "gender+age"
 
 
 def test_hugging_face_export_refuses_bad_requests(par_run, tmp_path, capsys):

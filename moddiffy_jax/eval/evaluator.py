@@ -97,7 +97,6 @@ def compositions(
     """
     weights = dict(weights or {})
     diffs, joint = joint_erasure.split_joint(diffs)
-    joint = {joint_erasure.members(n): d for n, d in joint.items()}
     base = core
     if "task" in diffs:
         base = evaluator.compose(core, [diffs["task"]])
@@ -105,8 +104,8 @@ def compositions(
     attr_diffs = [diffs[n] for n in names]
     for subset in subsets(names, max_subset_size):
         w = [weights.get(n, 1.0) if n in subset else 0.0 for n in names]
-        fix = joint.get(frozenset(subset))
-        if fix is not None and all(weights.get(n, 1.0) == 1.0 for n in subset):
+        fix = joint_erasure.correction_for(joint, dict(zip(names, w, strict=True)))
+        if fix is not None:
             params = evaluator.compose(base, [*attr_diffs, fix], [*w, 1.0])
         else:
             params = evaluator.compose(base, attr_diffs, w) if names else base

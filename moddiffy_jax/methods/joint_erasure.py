@@ -63,6 +63,18 @@ def split_joint(
     return plain, joint
 
 
+def correction_for(
+    joint: Mapping[str, diffs_lib.SparseDiff], weights: Mapping[str, float]
+) -> diffs_lib.SparseDiff | None:
+    """The correction to add to a composition of the diffs in ``weights``
+    (name -> weight; weight 0 = left out): the one fitted for exactly the
+    diffs added, where each has weight 1; else None."""
+    added = frozenset(n for n, w in weights.items() if w != 0.0)
+    if len(added) < 2 or any(weights[n] != 1.0 for n in added):
+        return None
+    return next((d for n, d in joint.items() if members(n) == added), None)
+
+
 def subsets(names: Sequence[str], max_size: int | None = None) -> list[tuple]:
     """Every set of two or more ``names``, smaller first, in their order."""
     top = len(names) if max_size is None else min(max_size, len(names))
