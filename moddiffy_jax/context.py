@@ -708,6 +708,13 @@ def check_prune_config(d: ml_collections.ConfigDict) -> None:
             f"config.diff.erasure_share={share!r}: the share of each attribute "
             "diff's budget given to its closed-form eraser, in [0, 1) (0: off)."
         )
+    rounds = d.get("erasure_rounds", 1)
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(
+            f"config.diff.erasure_rounds={rounds!r}: how many times each eraser "
+            "is fit in its rows, each on the model the previous fits erased; an "
+            "int >= 1 (1: once)."
+        )
     erasing = share and d.get("erasure", "off") == "on"
     if erasing and (d.get("scope", "global") != "global" or d.structured):
         raise ValueError(

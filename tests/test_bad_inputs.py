@@ -157,6 +157,14 @@ CASES = [
         r"config.diff.erasure='auto'",
     ),
     Case(
+        "diff.erasure_rounds below one",
+        lambda t, w: [
+            "--config=configs/moddiffy_par.py:model=tiny",
+            "--config.diff.erasure_rounds=0",
+        ],
+        r"diff.erasure_rounds=0: how many times each eraser is fit",
+    ),
+    Case(
         "unknown prune schedule",
         lambda t, w: [
             "--config=configs/moddiffy_par.py:model=tiny",

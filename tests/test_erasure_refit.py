@@ -240,7 +240,9 @@ def test_erasers_and_their_joint_correction_remove_from_pretrained_minilm():
 
 
 def test_a_trained_diff_keeps_its_exact_budget_with_the_eraser(planted, tmp_path):
-    config = _tiny_post(planted, diff__erasure="on")
+    """Also with a second round of the fit (``diff.erasure_rounds``), which
+    writes into the same rows."""
+    config = _tiny_post(planted, diff__erasure="on", diff__erasure_rounds=2)
     results = train.train_and_evaluate(config, tmp_path / "run")
     record = results["finish"]["gender"]
     sd = diffs_lib.load_sparse_diff(
@@ -248,6 +250,7 @@ def test_a_trained_diff_keeps_its_exact_budget_with_the_eraser(planted, tmp_path
     )
     assert sd.nnz() == record["nnz"] == record["budget"], record
     assert 0.0 < record["readout_r2"] <= 1.0
+    assert len(record["separation_per_round"]) == 1
 
 
 def test_auto_leaves_swap_diffs_and_the_config_is_checked(planted, tmp_path):

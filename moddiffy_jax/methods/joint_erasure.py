@@ -13,7 +13,8 @@ So when training ends, for every set of two or more erased diffs, this
 module fits their erasers again, in the rows each diff's own eraser holds,
 on ``core + the trained parts of those diffs`` (each diff with its own
 eraser taken out), attribute after attribute in the run's order, each fit
-reading the model with the previous ones written in. What it stores is the
+reading the model with the previous ones written in (``diff.erasure_rounds``
+times over). What it stores is the
 *correction*: the new erasers minus the diffs' own, as a sparse diff over
 those rows of the last FFN output kernel and its bias, named
 ``gender+age``. Adding it to ``core + gender + age`` gives exactly the
@@ -136,14 +137,16 @@ def correction(
     params = compose(core, trained)
     template = refits[subset[0]].diff
     new, record = [], {}
-    for attribute in subset:
-        y, g = er.features(fn, forward, params, split)
-        labels = np.asarray(split.attrs[attribute])
-        additions, record[attribute] = er.write_eraser(
-            y, g, task, labels, refits[attribute].units, paths, settings.ridge
-        )
-        new.append(additions)
-        params = compose(params, [as_diff(template, paths, attribute, [additions])])
+    for _ in range(settings.rounds):
+        for attribute in subset:
+            y, g = er.features(fn, forward, params, split)
+            labels = np.asarray(split.attrs[attribute])
+            additions, fit = er.write_eraser(
+                y, g, task, labels, refits[attribute].units, paths, settings.ridge
+            )
+            record.setdefault(attribute, fit)
+            new.append(additions)
+            params = compose(params, [as_diff(template, paths, attribute, [additions])])
     y, _ = er.features(fn, forward, params, split)
     for attribute in subset:
         labels = np.asarray(split.attrs[attribute])

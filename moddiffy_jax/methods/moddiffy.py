@@ -350,6 +350,9 @@ def diff_config() -> ml_collections.ConfigDict:
     d.erasure_share = 0.5
     d.erasure_ridge = 1e-3
     d.erasure_examples = 20000
+    # Fits of each eraser in its rows, each on the model the previous ones
+    # erased (LayerNorm's renormalisation leaves part of the attribute).
+    d.erasure_rounds = 1
     # Two or more erased diffs: their erasers fitted again on each
     # composition and stored as a correction beside them
     # (methods/joint_erasure.py; export/joint/<a>+<b>.safetensors).
@@ -377,6 +380,7 @@ def finish(ctx, trainable: dict, frozen: dict, phase: str):
         ridge=float(d.get("erasure_ridge", 1e-3)),
         examples=int(d.get("erasure_examples", 20000)),
         seed=int(ctx.config.seed),
+        rounds=int(d.get("erasure_rounds", 1)),
     )
     evaluator = Evaluator(ctx)
     sparse = sparse_diffs_of(ctx, trainable, frozen, phase)
