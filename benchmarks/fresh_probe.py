@@ -2,7 +2,7 @@ r"""The same fresh probes on our runs and on the reference's saved CLS vectors.
 
 A side-by-side efficacy table needs one measuring stick. This script reads
 frozen CLS representations of every configuration (core, core + each diff,
-core + all diffs, core + each token-merge diff the run's report built) and,
+core + all diffs with their correction where the run fitted one, core + each token-merge diff the run's report built) and,
 per protected attribute, fits on train and scores on
 test:
 
@@ -58,6 +58,7 @@ def export_run(run: Path, test_examples: int = 0) -> Path:
     """
     from moddiffy_jax import train
     from moddiffy_jax.eval import composition
+    from moddiffy_jax.eval import evaluator as evaluator_lib
     from moddiffy_jax.subnets import diff_files
 
     run = Path(run)
@@ -77,13 +78,14 @@ def export_run(run: Path, test_examples: int = 0) -> Path:
     names = [a for a in ctx.attributes if a in art.diffs]
     out = reps_dir(run, test_examples)
     out.mkdir(parents=True, exist_ok=True)
-    subsets = [()] + [(n,) for n in names]
-    if len(names) > 1:
-        subsets.append(tuple(names))
-    for subset in subsets:
-        w = [1.0 if n in subset else 0.0 for n in names]
-        params = evaluator.compose(art.core, [art.diffs[n] for n in names], w)
-        label = "core" + "".join(f"+{n}" for n in subset)
+    # The rows the run's own table has (a task diff in every row, a
+    # composition's correction where it was fitted: evaluator.compositions),
+    # less the partial compositions of three or more diffs.
+    for label, subset, params in evaluator_lib.compositions(
+        evaluator, art.core, {**art.diffs, **art.joint}, names
+    ):
+        if 1 < len(subset) < len(names):
+            continue
         np.savez(out / f"{label}.npz", **split_arrays(ctx, rep, params, art.head))
     # The token-merge diffs the run's report built (token_merge/), each alone.
     for path in sorted((run / "token_merge").glob("*.safetensors")):

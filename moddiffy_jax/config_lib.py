@@ -213,6 +213,10 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # encoded (the same numbers; on 2 cores two at once take about a quarter
     # less time).
     c.eval.probe_threads = 2
+    # Beside the attacker and the linear probe, an MLP trained until it
+    # stops improving (eval/probes.py CONVERGED_MLP): the paper's
+    # early-stopped attacker misses what a linear eraser leaves nonlinear.
+    c.eval.probe_mlp = True
     c.eval.inlp = True
     # Token-merge diffs built on the core after training and added to the
     # composition matrix (methods/token_merge.py; text encoders only): each

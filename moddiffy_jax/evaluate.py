@@ -93,6 +93,12 @@ flags.DEFINE_bool(
     "linear", True, "Add a linear probe to every entry.", flag_values=FLAGS
 )
 flags.DEFINE_bool(
+    "mlp",
+    True,
+    "Add a converged MLP probe to every entry (eval/probes.py CONVERGED_MLP).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_bool(
     "allow_changed_inputs",
     False,
     "Evaluate although the data, tokenizer or base model changed since training.",
@@ -174,6 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_subset_size=FLAGS.max_subset_size,
             inlp=FLAGS.inlp,
             linear=FLAGS.linear,
+            mlp=FLAGS.mlp,
             allow_changed_inputs=FLAGS.allow_changed_inputs,
             token_merge=(
                 _step_options(

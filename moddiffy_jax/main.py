@@ -128,8 +128,12 @@ def format_results(results: dict) -> str:
     labels = list(rows) + [k for k in leakage if k not in rows]
     width = max(len(r) for r in labels) + 2
     head = [c.rjust(14) for c in cols]
+    has_mlp = any(
+        "mlp" in (row.get(a) or {}) for row in leakage.values() for a in attrs
+    )
     for a in attrs:
         head += [f"{a} leakage".rjust(18), f"{a} lin".rjust(12)]
+        head += [f"{a} mlp".rjust(12)] * has_mlp
     lines.append("configuration".ljust(width) + "  ".join(head))
     for label in labels:
         cells = [
@@ -138,15 +142,16 @@ def format_results(results: dict) -> str:
         for a in attrs:
             leak = leakage.get(label, {}).get(a)
             cells.append(_leak(leak).rjust(18))
-            lin = (leak or {}).get("linear", {}).get("test_balanced_accuracy")
-            cells.append((f"{lin:.3f}" if lin is not None else "n/a").rjust(12))
+            for kind in ("linear", "mlp")[: 1 + has_mlp]:
+                value = (leak or {}).get(kind, {}).get("test_balanced_accuracy")
+                cells.append((f"{value:.3f}" if value is not None else "n/a").rjust(12))
         lines.append(label.ljust(width) + "  ".join(cells))
     floors = results.get("floors", {})
     for what in ("floor", "chance") if floors else ():
         cells = ["".rjust(14)] * len(cols)
         for a in attrs:
             value = f"{floors[a][what]:.3f}" if a in floors else "n/a"
-            cells += [value.rjust(18), value.rjust(12)]
+            cells += [value.rjust(18)] + [value.rjust(12)] * (1 + has_mlp)
         lines.append(f"({what})".ljust(width) + "  ".join(cells))
     if leakage:
         # Results written before stop 23 have no "probe_whiten": standardized.
@@ -159,7 +164,12 @@ def format_results(results: dict) -> str:
             "leakage: test balanced accuracy of fresh attacker probe ensembles on "
             f"frozen CLS representations, {metric} "
             "(mean ± std over probe seeds; lin: a class-balanced linear probe; "
-            "lower is better). floor: what the gold task "
+            + (
+                "mlp: an MLP probe trained until it stops improving; "
+                if has_mlp
+                else ""
+            )
+            + "lower is better). floor: what the gold task "
             "label alone gives; INLP rows use the task head on projected "
             "representations"
         )

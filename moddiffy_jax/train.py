@@ -620,6 +620,7 @@ def _leakage(
         workdir,
         probe_config=probe_config,
         inlp=config.eval.inlp,
+        mlp=config.eval.get("probe_mlp", True),
         verify_inputs=False,  # checked when this run started
         known_reps=reps,
         token_merge=eval_options(config, "token_merge"),

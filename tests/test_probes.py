@@ -412,3 +412,30 @@ def test_a_rows_attributes_probed_on_threads_give_the_same_numbers():
     assert one["g"]["mean"] > 0.8  # the probes did read the planted attribute
     with pytest.raises(ValueError, match="threads must be >= 1"):
         probes.ProbeConfig(threads=0)
+
+
+def _spread(n, rng):
+    """The attribute in a feature's spread, not its mean (what a linear
+    eraser leaves behind): class 1's feature 0 has four times class 0's
+    standard deviation, equal means."""
+    y = rng.integers(0, 2, n)
+    x = rng.normal(size=(n, H)).astype(np.float32)
+    x[:, 0] *= np.where(y == 1, 4.0, 1.0)
+    return x, y
+
+
+def test_the_converged_mlp_reads_what_linear_probes_and_the_attacker_miss():
+    """An attribute with no mean offset: the linear probe reads chance, the
+    paper's early-stopped attacker little (its 40 epochs at lr 1e-4), and
+    the converged MLP most of it (the Bayes rule |x0| > 1.72 gives 0.79)."""
+    rng = np.random.default_rng(0)
+    splits = [a for n in (2000, 500, 2000) for a in _spread(n, rng)]
+    lin = probes.linear_probe(*splits, num_classes=2, class_weighted=True)
+    attacker = probes.train_probe_ensemble(
+        *splits, num_classes=2, config=probes.ProbeConfig(seeds=(0,))
+    )
+    mlp = probes.converged_mlp_probe(*splits, num_classes=2)
+    assert lin.test_balanced_accuracy < 0.56
+    assert attacker.summary()["test_balanced_accuracy/mean"] < 0.68
+    assert mlp["test_balanced_accuracy"] > 0.70
+    assert set(mlp) == {"test_balanced_accuracy", "dev_balanced_accuracy", "best_epoch"}

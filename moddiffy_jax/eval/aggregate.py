@@ -5,8 +5,8 @@ the spread over training seeds too. :func:`aggregate_runs` reads the
 ``eval/results.json`` of several runs of one experiment (each made by
 :func:`moddiffy_jax.eval.composition.evaluate_run`) and reports, per
 configuration, the mean and std over runs of task accuracy, each attribute's
-leakage (probe ensemble and linear probe), the share of the core-to-floor gap
-closed, and the RMS TPR gap.
+leakage (probe ensemble, linear probe and converged MLP probe), the share
+of the core-to-floor gap closed, and the RMS TPR gap.
 """
 
 from __future__ import annotations
@@ -39,11 +39,15 @@ def _metrics(row, core, attrs, floors) -> dict[str, float]:
         lin = leak.get("linear", {}).get("test_balanced_accuracy")
         core_lin = core_leak.get("linear", {}).get("test_balanced_accuracy")
         floor = floors.get(a, {}).get("floor")
+        mlp = leak.get("mlp", {}).get("test_balanced_accuracy")
+        core_mlp = core_leak.get("mlp", {}).get("test_balanced_accuracy")
         out[f"{a} leakage"] = leak["mean"]
         out[f"{a} lin"] = lin
+        out[f"{a} mlp"] = mlp
         if floor is not None:
             out[f"{a} gap closed"] = gap_closed(core_leak["mean"], leak["mean"], floor)
             out[f"{a} gap closed (lin)"] = gap_closed(core_lin, lin, floor)
+            out[f"{a} gap closed (mlp)"] = gap_closed(core_mlp, mlp, floor)
         out[f"{a} RMS TPR gap"] = test.get(f"{a}/rms_tpr_gap")
     return out
 

@@ -193,7 +193,9 @@ def _task_metrics(ctx, rep: Representer, head, reps, splits) -> dict[str, Any]:
     return out
 
 
-def _leakage(ctx, reps, probe_config, *, linear: bool, pool=None) -> dict[str, Any]:
+def _leakage(
+    ctx, reps, probe_config, *, linear: bool, mlp: bool = False, pool=None
+) -> dict[str, Any]:
     """Each attribute's probes of one row, one after the other; with
     ``pool`` (an executor) each attribute's entry is a future of it, which
     :func:`_resolve_leakage` reads (the same numbers)."""
@@ -235,6 +237,10 @@ def _leakage(ctx, reps, probe_config, *, linear: bool, pool=None) -> dict[str, A
                 class_weighted=True,
             )
             entry["linear"] = lin.summary() | {"converged": bool(lin.converged)}
+        if mlp:
+            entry["mlp"] = probes_lib.converged_mlp_probe(
+                *(x for s in SPLITS for x in (reps[s], labels[s])), num_classes=n
+            )
         return entry
 
     if pool is not None:
@@ -262,6 +268,7 @@ def _row(
     ood_sets=None,
     ood_reps=None,
     pool=None,
+    mlp=False,
 ) -> dict[str, Any]:
     task = _task_metrics(ctx, rep, head, reps, splits)
     row = {f"{s}_task_acc": task[s]["accuracy"] for s in splits}
@@ -271,7 +278,9 @@ def _row(
             row[f"{s}_bias_aligned_acc"] = task[s]["bias_aligned/accuracy"]
             row[f"{s}_bias_conflicting_acc"] = task[s]["bias_conflicting/accuracy"]
     row["task"] = task
-    row["leakage"] = _leakage(ctx, reps, probe_config, linear=linear, pool=pool)
+    row["leakage"] = _leakage(
+        ctx, reps, probe_config, linear=linear, mlp=mlp, pool=pool
+    )
     if ood_sets:
         row["ood"] = {
             name: ood_lib.ood_metrics(oset, rep.predict(head, ood_reps[name]))
@@ -387,6 +396,7 @@ def evaluate_run(
     max_subset_size: int | None = None,
     inlp: bool = True,
     linear: bool = True,
+    mlp: bool = True,
     batch_size: int = 128,
     allow_changed_inputs: bool = False,
     verify_inputs: bool = True,
@@ -403,6 +413,9 @@ def evaluate_run(
       max_subset_size: largest number of diffs combined (default: all).
       inlp: add INLP rows (one per attribute) on the core representations.
       linear: add a linear probe to every leakage entry.
+      mlp: add a converged MLP probe to every leakage entry
+        (:data:`probes_lib.CONVERGED_MLP`: what the paper's early-stopped
+        attacker misses of nonlinear and linearly erased information).
       batch_size: batch size for extracting representations.
       allow_changed_inputs: evaluate although the data, tokenizer or base
         differ from what the run was trained on (``workdir.check_inputs``).
@@ -497,6 +510,7 @@ def evaluate_run(
             sets,
             ood_reps or {},
             pool,
+            mlp,
         )
 
     try:

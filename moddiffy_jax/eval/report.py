@@ -79,6 +79,10 @@ def format_report(results: Mapping[str, Any]) -> str:
     probe = results["probe_config"]
     # Runs evaluated before stop 23 (no "whiten") read standardized features,
     # before stop 12 (no "standardize") the raw ones.
+    # Runs evaluated before stop 57 have no converged MLP probe.
+    has_mlp = any(
+        "mlp" in r["leakage"].get(a, {}) for r in rows.values() for a in attrs
+    )
     metric = "whitened" if probe.get("whiten", False) else "standardized"
     if not probe.get("whiten", False) and not probe.get("standardize", False):
         metric = "as they are (not standardized)"
@@ -89,7 +93,14 @@ def format_report(results: Mapping[str, Any]) -> str:
         f"attacker probes on frozen CLS representations, {metric} with the train "
         f"split's statistics (test split; ensemble of {probe['members']} probes, "
         f"mean ± std over seeds {tuple(probe['seeds'])}); lower is better, chance "
-        "is 1/#classes. `lin` is a linear probe.",
+        "is 1/#classes. `lin` is a linear probe"
+        + (
+            "; `mlp` an MLP probe trained until it stops improving (one seed; "
+            "the attacker is early-stopped far from that and misses what a "
+            "linear eraser leaves nonlinear)."
+            if has_mlp
+            else "."
+        ),
         "",
     ]
     if results.get("objective_choice"):
@@ -118,7 +129,8 @@ def format_report(results: Mapping[str, Any]) -> str:
     for n in ood_names:
         header += [f"{n} acc"] + ([f"{n} F1"] if has_f1[n] else [])
     for a in attrs:
-        header += [f"{a} leakage", f"{a} lin", f"{a} RMS TPR gap"]
+        header += [f"{a} leakage", f"{a} lin"]
+        header += [f"{a} mlp"] * has_mlp + [f"{a} RMS TPR gap"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "---|" * len(header))
     for label, row in rows.items():
@@ -144,16 +156,20 @@ def format_report(results: Mapping[str, Any]) -> str:
             leak = row["leakage"][a]
             cells.append(_fmt(leak["mean"], leak["std"]))
             cells.append(_fmt(leak.get("linear", {}).get("test_balanced_accuracy")))
+            if has_mlp:
+                cells.append(_fmt(leak.get("mlp", {}).get("test_balanced_accuracy")))
             cells.append(_fmt(test.get(f"{a}/rms_tpr_gap")))
         lines.append("| " + " | ".join(cells) + " |")
     floors = results.get("floors") or {}
     if floors and attrs:
+        per_attr = 3 + has_mlp
         for what in ("floor", "chance"):
-            cells = [f"*{what}*"] + [""] * (len(header) - 1 - 3 * len(attrs))
+            cells = [f"*{what}*"] + [""] * (len(header) - 1 - per_attr * len(attrs))
             for a in attrs:
-                cells += [_fmt(floors[a][what]), _fmt(floors[a][what]), ""]
+                cells += [_fmt(floors[a][what])] * (per_attr - 1) + [""]
             lines.append("| " + " | ".join(cells) + " |")
-        lines += ["", _floor_note()] + _gap_closed_lines(rows, attrs, floors)
+        lines += ["", _floor_note()]
+        lines += _gap_closed_lines(rows, attrs, floors, has_mlp)
     lines += _strength_lines(results.get("strength") or {})
     lines += _token_merge_lines(results.get("token_merge") or {})
     lines += _ood_detail_tables(rows, ood_names)
@@ -246,15 +262,21 @@ def gap_closed(core: float, value: float, floor: float) -> float | None:
     return (core - value) / (core - floor)
 
 
-def _gap_closed_lines(rows, attrs, floors) -> list[str]:
+def _gap_closed_lines(rows, attrs, floors, has_mlp=False) -> list[str]:
     if "core" not in rows:
         return []
+    kinds = ("linear", "mlp") if has_mlp else ("linear",)
 
-    def linear(row, a):
-        return row["leakage"][a].get("linear", {}).get("test_balanced_accuracy")
+    def probe(row, a, kind):
+        return row["leakage"][a].get(kind, {}).get("test_balanced_accuracy")
 
-    head = " | ".join(f"{a} gap closed (probes) | {a} gap closed (lin)" for a in attrs)
-    lines = ["", f"| configuration | {head} |", "|---|" + "---|---|" * len(attrs)]
+    names = ["probes", "lin"] + ["mlp"] * has_mlp
+    head = " | ".join(f"{a} gap closed ({n})" for a in attrs for n in names)
+    lines = [
+        "",
+        f"| configuration | {head} |",
+        "|---|" + "---|" * len(names) * len(attrs),
+    ]
     core = rows["core"]
     for label, row in rows.items():
         if label == "core":
@@ -264,7 +286,9 @@ def _gap_closed_lines(rows, attrs, floors) -> list[str]:
             f = floors[a]["floor"]
             mean = row["leakage"][a]["mean"]
             cells.append(_fmt(gap_closed(core["leakage"][a]["mean"], mean, f)))
-            cells.append(_fmt(gap_closed(linear(core, a), linear(row, a), f)))
+            for kind in kinds:
+                value = gap_closed(probe(core, a, kind), probe(row, a, kind), f)
+                cells.append(_fmt(value))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
