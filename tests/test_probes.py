@@ -427,7 +427,8 @@ def _spread(n, rng):
 def test_the_converged_mlp_reads_what_linear_probes_and_the_attacker_miss():
     """An attribute with no mean offset: the linear probe reads chance, the
     paper's early-stopped attacker little (its 40 epochs at lr 1e-4), and
-    the converged MLP most of it (the Bayes rule |x0| > 1.72 gives 0.79)."""
+    the converged MLP most of it (0.78; the Bayes rule |x0| > 1.72 gives
+    0.79)."""
     rng = np.random.default_rng(0)
     splits = [a for n in (2000, 500, 2000) for a in _spread(n, rng)]
     lin = probes.linear_probe(*splits, num_classes=2, class_weighted=True)
@@ -437,5 +438,5 @@ def test_the_converged_mlp_reads_what_linear_probes_and_the_attacker_miss():
     mlp = probes.converged_mlp_probe(*splits, num_classes=2)
     assert lin.test_balanced_accuracy < 0.56
     assert attacker.summary()["test_balanced_accuracy/mean"] < 0.68
-    assert mlp["test_balanced_accuracy"] > 0.70
+    assert mlp["test_balanced_accuracy"] > 0.74
     assert set(mlp) == {"test_balanced_accuracy", "dev_balanced_accuracy", "best_epoch"}

@@ -79,6 +79,8 @@ class ClassifierHead(nn.Module):
       hidden_size: Width of hidden layers; defaults to the input width.
       dropout: Dropout rate before every Dense.
       dtype: Compute dtype.
+      activation: ``"tanh"`` (the paper's) or ``"relu"`` after each hidden
+        Dense.
     """
 
     num_outputs: int
@@ -86,6 +88,7 @@ class ClassifierHead(nn.Module):
     hidden_size: int | None = None
     dropout: float = 0.3
     dtype: Dtype = jnp.float32
+    activation: str = "tanh"
 
     @nn.compact
     def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:
@@ -104,7 +107,7 @@ class ClassifierHead(nn.Module):
             x = torch_dense(
                 width, fan_in=x.shape[-1], name=f"hidden_{i}", dtype=self.dtype
             )(x)
-            x = jnp.tanh(x)
+            x = jax.nn.relu(x) if self.activation == "relu" else jnp.tanh(x)
         x = Dropout(self.dropout)(x, deterministic=deterministic)
         return torch_dense(
             self.num_outputs, fan_in=x.shape[-1], name="output", dtype=self.dtype
