@@ -39,16 +39,22 @@ def test_composition_matrix(run):
             assert len(leak["per_seed_test"]) == 2
             assert leak["chance"] == 0.5
             assert "linear" in leak
+            # The converged MLP probe (eval/probes.py CONVERGED_MLP).
+            assert 0 <= leak["mlp"]["test_balanced_accuracy"] <= 1
+            assert 0 <= leak["mlp"]["best_epoch"] < probes.MLP_EPOCHS
     saved = json.loads((run / "eval" / "results.json").read_text())
     assert saved["synthetic"] is True
     report = (run / "eval" / "report.md").read_text()
     assert "SYNTHETIC" in report and "core+gender+age" in report
     assert "whitened with the train split's statistics" in report
+    assert "| gender mlp |" in report and "gender gap closed (mlp)" in report
     # The run's printed table says which metric its attackers read.
     whole = json.loads((run / "results.json").read_text())
     whole["leakage"] = {label: row["leakage"] for label, row in rows.items()}
     whole["probe_whiten"] = True
-    assert "whitened with the train split's covariance" in main.format_results(whole)
+    printed = main.format_results(whole)
+    assert "whitened with the train split's covariance" in printed
+    assert "gender mlp" in printed and "mlp: an MLP probe" in printed
     del whole["probe_whiten"]  # a run from before the whitened attacker
     assert "standardized per feature" in main.format_results(whole)
     # The task accuracy of the core matches the training run's own table.
