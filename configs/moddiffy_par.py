@@ -44,6 +44,10 @@ on dwmw17, training seeds 0-2 (docs/efficacy.md, "Stop 53"): 9.7, 3.7
 and 5.1 points under the report's attacker, 7.6, 3.5 and 1.7 under its
 linear probe (floor 0.794), task within 0.9 points, the RMS TPR gap
 falling on each: the 8-point bar is not met.
+Since stop 57 the report also has an MLP probe trained to convergence
+(`mlp`, eval.probe_mlp): under it the closed-form erasers (stop 55) and
+INLP remove little (their removal is linear), the swap diffs and the
+token merges hold (docs/efficacy.md, "Stop 57").
 Since stop 29 the main job also builds a token-merge diff per attribute on
 its core (eval.token_merge; docs/efficacy.md, "Stop 29"): on seed 0 they
 close 0.65 / 0.86 (attacker / linear) of gender's gap at -1.1 points and
