@@ -630,35 +630,26 @@ CONVERGED_MLP = ProbeConfig(
 
 
 def converged_mlp_probe(
-    train_h,
-    train_y,
-    dev_h,
-    dev_y,
-    test_h,
-    test_y,
-    *,
-    num_classes: int,
-    config: ProbeConfig = CONVERGED_MLP,
+    *splits, num_classes: int, config: ProbeConfig = CONVERGED_MLP
 ) -> dict[str, Any]:
     """Balanced accuracy of the :data:`CONVERGED_MLP` probe at the epoch of
-    its best dev balanced accuracy (the first, on ties): ``{"test_balanced_accuracy",
-    "dev_balanced_accuracy", "best_epoch"}`` (the arguments as for
-    :func:`train_probe_ensemble`; ``config`` needs ``test_curves``)."""
+    its best dev balanced accuracy (the first, on ties):
+    ``{"test_balanced_accuracy", "dev_balanced_accuracy", "best_epoch"}``.
+
+    ``splits``: ``train_h, train_y, dev_h, dev_y, test_h, test_y`` as for
+    :func:`train_probe_ensemble`; ``config`` needs ``test_curves``.
+    """
     if not config.test_curves:
         raise ValueError(
             "converged_mlp_probe reads per-epoch test curves: set "
             "test_curves=True in its config."
         )
-    result = train_probe_ensemble(
-        train_h,
-        train_y,
-        dev_h,
-        dev_y,
-        test_h,
-        test_y,
-        num_classes=num_classes,
-        config=config,
-    )
+    if len(splits) != 6:
+        raise TypeError(
+            "converged_mlp_probe takes train_h, train_y, dev_h, dev_y, test_h, "
+            f"test_y; got {len(splits)} arrays."
+        )
+    result = train_probe_ensemble(*splits, num_classes=num_classes, config=config)
     dev = np.asarray(result.history["dev_balanced_accuracy"])[0]  # [E]
     test = np.asarray(result.history["test_balanced_accuracy"])[0]
     if np.all(np.isnan(dev)):
