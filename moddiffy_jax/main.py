@@ -164,11 +164,7 @@ def format_results(results: dict) -> str:
             "leakage: test balanced accuracy of fresh attacker probe ensembles on "
             f"frozen CLS representations, {metric} "
             "(mean ± std over probe seeds; lin: a class-balanced linear probe; "
-            + (
-                "mlp: an MLP probe trained until it stops improving; "
-                if has_mlp
-                else ""
-            )
+            + ("mlp: an MLP probe trained to convergence; " if has_mlp else "")
             + "lower is better). floor: what the gold task "
             "label alone gives; INLP rows use the task head on projected "
             "representations"
