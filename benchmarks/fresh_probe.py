@@ -2,9 +2,9 @@ r"""The same fresh probes on our runs and on the reference's saved CLS vectors.
 
 A side-by-side efficacy table needs one measuring stick. This script reads
 frozen CLS representations of every configuration (core, core + each diff,
-core + all diffs with their correction where the run fitted one, core + each token-merge diff the run's report built) and,
-per protected attribute, fits on train and scores on
-test:
+core + all diffs with their correction where the run fitted one, core +
+each token-merge diff the run's report built) and, per protected
+attribute, fits on train and scores on test:
 
 * ``lin``: a class-balanced logistic-regression probe (the library's
   L-BFGS fit, :func:`moddiffy_jax.eval.probes.linear_probe`);

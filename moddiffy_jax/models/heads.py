@@ -101,6 +101,11 @@ class ClassifierHead(nn.Module):
         Returns:
           ``[B, num_outputs]`` logits.
         """
+        if self.activation not in ("tanh", "relu"):
+            raise ValueError(
+                f"ClassifierHead.activation must be 'tanh' or 'relu', got "
+                f"{self.activation!r}."
+            )
         width = self.hidden_size or x.shape[-1]
         for i in range(self.num_hidden):
             x = Dropout(self.dropout)(x, deterministic=deterministic)
