@@ -23,7 +23,9 @@ Inputs, one per column group:
   for split in train/dev/test (what ``benchmarks/reference/
   run_reference_moddiffy_par.py`` writes for the official code);
 * ``--run DIR``: a finished run of this library (exports its configurations'
-  representations to ``DIR/eval/reps/`` in the same format first).
+  representations to ``DIR/eval/reps/`` in the same format first, with the
+  task-only references ``core decision`` and ``core+bottleneck`` of
+  :mod:`moddiffy_jax.eval.bottleneck`).
 
 Usage::
 
@@ -87,6 +89,23 @@ def export_run(run: Path, test_examples: int = 0) -> Path:
         if 1 < len(subset) < len(names):
             continue
         np.savez(out / f"{label}.npz", **split_arrays(ctx, rep, params, art.head))
+    # The task-only references (eval/bottleneck.py), from the core's vectors.
+    core = np.load(out / "core.npz")
+    task_only = config.eval.get("task_only")
+    max_drop = task_only.max_drop if task_only is not None else None
+    built = composition.task_only_reps(
+        ctx,
+        rep,
+        art.head,
+        {s: core[f"{s}_h"] for s in SPLITS},
+        **({} if max_drop is None else {"max_drop": max_drop}),
+    )
+    for label, (reps, predict, _) in built.items():
+        arrays = {k: core[k] for k in core.files}
+        for s in SPLITS:
+            arrays[f"{s}_h"] = reps[s]
+            arrays[f"{s}_task_pred"] = np.asarray(predict(reps[s]))
+        np.savez(out / f"{label}.npz", **arrays)
     # The token-merge diffs the run's report built (token_merge/), each alone.
     for path in sorted((run / "token_merge").glob("*.safetensors")):
         merge = diff_files.load_sparse_diff(path, base=art.core)

@@ -218,6 +218,15 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # early-stopped attacker misses what a linear eraser leaves nonlinear.
     c.eval.probe_mlp = True
     c.eval.inlp = True
+    # Two task-only reference rows (eval/bottleneck.py): "core decision", the
+    # core head's logits probed as the representation (what the core's own
+    # decision carries of each attribute), and "core+bottleneck", the
+    # CLS vector cut to the K coordinates the head reads most (a
+    # last-LayerNorm diff plus a head refit on train; every attribute at
+    # once), K the smallest whose dev accuracy is within max_drop (a share:
+    # 0.005 = half a point) of the core's. A debiasing diff should be read
+    # beside both (docs/efficacy.md, stop 58).
+    c.eval.task_only = ml_collections.ConfigDict({"enabled": True, "max_drop": 0.005})
     # Token-merge diffs built on the core after training and added to the
     # composition matrix (methods/token_merge.py; text encoders only): each
     # attribute's most telling tokens, in groups of counterparts (she / he),

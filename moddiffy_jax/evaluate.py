@@ -12,7 +12,8 @@ works on runs trained elsewhere. Writes ``DIR/eval/results.json`` and
 ``--aggregate`` reads the evaluated runs of one experiment (different training
 seeds), given as the positional arguments, and prints mean ± std over runs
 per configuration. Flags are absl flags, as for ``moddiffy_jax.main``
-(``--noinlp``, ``--nolinear`` turn the INLP rows and linear probes off).
+(``--noinlp``, ``--nolinear``, ``--notask_only`` turn the INLP rows, the
+linear probes and the task-only reference rows off).
 """
 
 from __future__ import annotations
@@ -53,6 +54,20 @@ flags.DEFINE_integer(
     "max_subset_size", None, "Largest number of diffs combined.", flag_values=FLAGS
 )
 flags.DEFINE_bool("inlp", True, "Add the INLP rows.", flag_values=FLAGS)
+flags.DEFINE_bool(
+    "task_only",
+    True,
+    "Add the task-only reference rows: the core's decision (its head's logits "
+    "probed) and the smallest task bottleneck (eval/bottleneck.py).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_float(
+    "task_only_max_drop",
+    None,
+    "Dev accuracy (a share) the task bottleneck may give up; default: the "
+    "run's config.eval.task_only.max_drop, else 0.005.",
+    flag_values=FLAGS,
+)
 flags.DEFINE_bool(
     "token_merge",
     False,
@@ -195,6 +210,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             strength=(
                 _step_options(run_eval, "strength", max_drop=FLAGS.strength_max_drop)
                 if FLAGS.strength
+                else None
+            ),
+            task_only=(
+                _step_options(run_eval, "task_only", max_drop=FLAGS.task_only_max_drop)
+                if FLAGS.task_only
                 else None
             ),
         )

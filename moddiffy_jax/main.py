@@ -168,6 +168,14 @@ def format_results(results: dict) -> str:
             + "lower is better). floor: what the gold task "
             "label alone gives; INLP rows use the task head on projected "
             "representations"
+            + (
+                "; core decision: the core head's logits probed (what its own "
+                "decision carries); core+bottleneck: the CLS vector cut to the "
+                "few coordinates the head reads most, with a refit head (keeps "
+                "only the task; a baseline)"
+                if "core decision" in leakage
+                else ""
+            )
         )
     for name, info in results.get("diffs", {}).items():
         lines.append(

@@ -592,7 +592,7 @@ def _stop_reason(config, global_step: int) -> str | None:
 
 def eval_options(config, name: str) -> dict[str, Any] | None:
     """``config.eval.<name>`` (an optional step of the evaluation with an
-    ``enabled`` switch: ``token_merge`` or ``strength``) as the keyword
+    ``enabled`` switch: ``token_merge``, ``strength`` or ``task_only``) as the keyword
     arguments ``evaluate_run`` takes for it (None when off, or for a config
     without the section)."""
     section = config.eval.get(name)
@@ -625,9 +625,10 @@ def _leakage(
         known_reps=reps,
         token_merge=eval_options(config, "token_merge"),
         strength=eval_options(config, "strength"),
+        task_only=eval_options(config, "task_only"),
     )
     for label, row in evaluation["composition"].items():
-        if label not in results["composition"]:  # INLP and token-merge rows
+        if label not in results["composition"]:  # INLP, task-only, merge rows
             results["composition"][label] = {
                 k: row[k] for k in ("dev_task_acc", "test_task_acc")
             }

@@ -64,6 +64,47 @@ def test_composition_matrix(run):
     )
 
 
+def test_task_only_rows(run):
+    """The core's decision and the task bottleneck (eval/bottleneck.py) as
+    rows beside the compositions, with their notes in the report."""
+    results = composition.evaluate_run(
+        run, probe_config=FAST_PROBES, inlp=False, task_only={"max_drop": 0.005}
+    )
+    rows = results["composition"]
+    labels = list(rows)
+    assert labels[:5] == [
+        "core",
+        "core+gender",
+        "core+age",
+        "core+gender+age",
+        "core decision",
+    ]
+    assert labels[5:] == ["core+bottleneck"]
+    cut = "core+bottleneck"
+    info = rows[cut]["task_only"]
+    assert info["kind"] == "bottleneck"
+    assert len(info["coordinates"]) == info["k"]
+    reached = info["dev_accuracy"] >= info["reference_dev_accuracy"] - 0.005
+    best = max(c["dev_accuracy"] for c in info["curve"])
+    assert reached or info["dev_accuracy"] == best
+    assert info["reference_dev_accuracy"] == pytest.approx(rows["core"]["dev_task_acc"])
+    decision = rows["core decision"]
+    assert decision["task_only"] == {"kind": "decision", "width": 2}
+    # The decision row's predictions are the core's own.
+    assert decision["test_task_acc"] == rows["core"]["test_task_acc"]
+    for row in (decision, rows[cut]):
+        for attr in ("gender", "age"):
+            assert {"mean", "linear", "mlp"} <= set(row["leakage"][attr])
+    report = (run / "eval" / "report.md").read_text()
+    assert "`core decision`:" in report
+    assert f"`core+bottleneck`: the CLS vector cut to the {info['k']} " in report
+    assert "| core decision |" in report
+    whole = json.loads((run / "results.json").read_text())
+    whole["leakage"] = {label: row["leakage"] for label, row in rows.items()}
+    printed = main.format_results(whole)
+    assert "core+bottleneck" in printed and "core decision: the core head's" in printed
+
+
 def test_weights_and_subset_size(run):
     results = composition.evaluate_run(
         run,
@@ -167,9 +208,14 @@ def test_the_command_line_takes_the_runs_own_merge_and_strength_settings(
     assert seen["strength"] == {
         k: v for k, v in section.strength.items() if k != "enabled"
     }
+    assert seen["task_only"] == {"max_drop": section.task_only.max_drop}
     assert evaluate.main(argv[:3] + ["--token_merge_max_drop=0.25"]) == 0
     assert seen["token_merge"] == {**merge, "max_drop": 0.25}
     assert seen["strength"] is None
+    assert evaluate.main(argv[:2] + ["--task_only_max_drop=0.02"]) == 0
+    assert seen["task_only"] == {"max_drop": 0.02}
+    assert evaluate.main(argv[:2] + ["--notask_only"]) == 0
+    assert seen["task_only"] is None
 
 
 def test_diff_from_another_base_is_refused(run, tmp_path):
@@ -297,10 +343,12 @@ def test_attackers_on_worker_threads_give_the_same_table(run):
             run,
             probe_config=dataclasses.replace(FAST_PROBES, threads=threads),
             token_merge=merge,
+            task_only={},
         )["composition"]
         for threads in (1, 2)
     ]
     assert list(tables[0]) == list(tables[1])
     assert "core+INLP(age)" in tables[0] and "core+merge(age)" in tables[0]
+    assert "core decision" in tables[0]
     for label, row in tables[0].items():
         assert tables[1][label]["leakage"] == row["leakage"], label

@@ -8,7 +8,13 @@
   each diff scaled by a weight); DiffPrun's task diff is part of the model and
   is always applied;
 * INLP (Ravfogel et al. 2020) per attribute on the core's representations,
-  as a post-hoc baseline.
+  as a post-hoc baseline;
+* two task-only references (``task_only``, :mod:`moddiffy_jax.eval.bottleneck`):
+  ``core decision``, the core head's logits probed as the representation
+  (what the core's own decision carries of each attribute), and
+  ``core+bottleneck``, the CLS vector cut to the ``K`` coordinates
+  the head reads most (a last-LayerNorm diff plus a head refit on train),
+  the smallest ``K`` within ``max_drop`` of the core's dev accuracy.
 
 For each configuration: task accuracy, macro-F1, balanced accuracy and
 per-group fairness metrics (TPR gap RMS) of the run's own task head, and, for
@@ -46,6 +52,7 @@ from absl import logging
 
 from moddiffy_jax import checkpoints
 from moddiffy_jax.data import bias as bias_lib
+from moddiffy_jax.eval import bottleneck as bottleneck_lib
 from moddiffy_jax.eval import inlp as inlp_lib
 from moddiffy_jax.eval import metrics as metrics_lib
 from moddiffy_jax.eval import ood as ood_lib
@@ -289,6 +296,90 @@ def _row(
     return row
 
 
+class _Readout:
+    """Stands in for the Representer in :func:`_row` where a row's task
+    predictions come from its own readout of the row's representations."""
+
+    def __init__(self, predict: Callable[[np.ndarray], np.ndarray]):
+        self._predict = predict
+
+    def predict(self, head: Any, h: np.ndarray) -> np.ndarray:
+        del head
+        return np.asarray(self._predict(np.asarray(h)))
+
+
+def task_only_reps(
+    ctx, rep, head, core_reps, *, max_drop: float = bottleneck_lib.MAX_DROP
+) -> dict[str, tuple[dict[str, np.ndarray], Callable, dict[str, Any]]]:
+    """The task-only references' representations, from the core's:
+    ``{"core decision" | "core+bottleneck": (reps by split, predict, info)}``
+    (``predict(h) -> int [N]``: the row's task readout; ``info``: what the
+    row is, for results.json). ``core_reps`` needs train and dev."""
+    import jax.numpy as jnp
+
+    def logits_of(h):
+        return rep.head(head, jnp.asarray(h, jnp.float32))
+
+    task = {s: ctx.data.splits[s].task for s in ("train", "dev")}
+    decision = bottleneck_lib.decision_reps(logits_of, core_reps)
+    fit = bottleneck_lib.fit_bottleneck(
+        logits_of,
+        core_reps["train"],
+        task["train"],
+        core_reps["dev"],
+        task["dev"],
+        num_classes=len(ctx.data.task_classes),
+        reference_dev_accuracy=float(
+            np.mean(np.asarray(rep.predict(head, core_reps["dev"])) == task["dev"])
+        ),
+        max_drop=max_drop,
+    )
+    return {
+        "core decision": (
+            decision,
+            lambda h: np.argmax(h, -1),
+            {"kind": "decision", "width": int(decision["train"].shape[1])},
+        ),
+        "core+bottleneck": (
+            {s: fit.apply(h) for s, h in core_reps.items()},
+            fit.predict,
+            {"kind": "bottleneck", "max_drop": float(max_drop), **fit.summary()},
+        ),
+    }
+
+
+def _task_only_rows(
+    ctx,
+    rep,
+    head,
+    core_reps,
+    probe_config,
+    linear,
+    splits,
+    pool,
+    mlp,
+    max_drop: float = bottleneck_lib.MAX_DROP,
+) -> dict[str, Any]:
+    """The rows ``core decision`` and ``core+bottleneck`` (no OOD sets)."""
+    rows = {}
+    built = task_only_reps(ctx, rep, head, core_reps, max_drop=max_drop)
+    for label, (reps, predict, info) in built.items():
+        row = _row(
+            ctx,
+            _Readout(predict),
+            None,
+            reps,
+            probe_config,
+            linear,
+            splits,
+            pool=pool,
+            mlp=mlp,
+        )
+        row["task_only"] = info
+        rows[label] = row
+    return rows
+
+
 def load_run_ood_sets(
     config: ml_collections.ConfigDict,
     task_classes: Sequence[str],
@@ -403,6 +494,7 @@ def evaluate_run(
     token_merge: Mapping[str, Any] | None = None,
     strength: Mapping[str, Any] | None = None,
     known_reps: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+    task_only: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Evaluates the composition matrix of a finished run; see the module doc.
 
@@ -436,6 +528,10 @@ def evaluate_run(
       known_reps: representations already encoded from the same exported
         params (row label -> split -> [N, H], e.g. the end-of-training
         table's); those rows and splits are not encoded again.
+      task_only: if given (keyword arguments: ``max_drop``), add the rows
+        ``core decision`` and ``core+bottleneck``
+        (:mod:`moddiffy_jax.eval.bottleneck`) for runs with protected
+        attributes.
 
     Returns:
       The results (also written to ``workdir/eval/results.json``).
@@ -569,6 +665,21 @@ def evaluate_run(
                     "directions_removed": int(fit.num_removed),
                 }
                 rows[f"core+INLP({attr})"] = row
+        if task_only is not None and ctx.attributes:
+            rows.update(
+                _task_only_rows(
+                    ctx,
+                    rep,
+                    art.head,
+                    core_reps,
+                    probe_config,
+                    linear,
+                    eval_splits,
+                    pool,
+                    mlp,
+                    **dict(task_only),
+                )
+            )
         if token_merge is not None and ctx.attributes:
             merges = _merge_rows(
                 ctx,

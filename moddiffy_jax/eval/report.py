@@ -170,6 +170,7 @@ def format_report(results: Mapping[str, Any]) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", _floor_note()]
         lines += _gap_closed_lines(rows, attrs, floors, has_mlp)
+    lines += _task_only_lines(rows)
     lines += _strength_lines(results.get("strength") or {})
     lines += _token_merge_lines(results.get("token_merge") or {})
     lines += _ood_detail_tables(rows, ood_names)
@@ -242,6 +243,39 @@ def _token_merge_lines(merges: Mapping[str, Any]) -> list[str]:
                 f"± {merged[0]['se']:.2f} points"
             )
         lines.append(line)
+    return lines
+
+
+def _task_only_lines(rows: Mapping[str, Any]) -> list[str]:
+    """What the task-only reference rows are (eval/bottleneck.py)."""
+    kinds = {
+        r["task_only"]["kind"]: r["task_only"]
+        for r in rows.values()
+        if "task_only" in r
+    }
+    if not kinds:
+        return []
+    lines = [""]
+    if "decision" in kinds:
+        lines.append(
+            "`core decision`: the core head's logits probed in place of the "
+            "representation (task accuracy: the core's). What it leaks above "
+            "the floor is what the core's own decision carries of the "
+            "attribute: a diff that keeps the core's decisions closes that "
+            "part of the gap only by changing them."
+        )
+    if "bottleneck" in kinds:
+        b = kinds["bottleneck"]
+        lines.append(
+            f"`core+bottleneck`: the CLS vector cut to the {b['k']} "
+            "coordinates the core head reads most, every other one held at its "
+            "train mean (a last-LayerNorm diff), read by a linear task head refit "
+            f"on train: the fewest coordinates whose dev accuracy "
+            f"({b['dev_accuracy']:.3f}) is within {100 * b['max_drop']:g} points "
+            f"of the core's ({b['reference_dev_accuracy']:.3f}). It keeps only "
+            "the task and so removes every attribute at once: a baseline an "
+            "attribute's diff should beat at its task cost."
+        )
     return lines
 
 
