@@ -48,6 +48,10 @@ Since stop 57 the report also has an MLP probe trained to convergence
 (`mlp`, eval.probe_mlp): under it the closed-form erasers (stop 55) and
 INLP remove little (their removal is linear), the swap diffs and the
 token merges hold (docs/efficacy.md, "Stop 57").
+Since stop 58 it has two task-only reference rows (eval.task_only): the
+core's decision (its head's logits probed) and a task bottleneck (the
+few CLS coordinates the head reads most, a last-LayerNorm diff with a
+refit head; a baseline that removes every attribute at once).
 Since stop 29 the main job also builds a token-merge diff per attribute on
 its core (eval.token_merge; docs/efficacy.md, "Stop 29"): on seed 0 they
 close 0.65 / 0.86 (attacker / linear) of gender's gap at -1.1 points and

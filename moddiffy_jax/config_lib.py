@@ -223,10 +223,10 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # decision carries of each attribute), and "core+bottleneck", the
     # CLS vector cut to the K coordinates the head reads most (a
     # last-LayerNorm diff plus a head refit on train; every attribute at
-    # once), K the smallest whose dev accuracy is within max_drop (a share:
-    # 0.005 = half a point) of the core's. A debiasing diff should be read
+    # once), K the smallest whose dev accuracy is within max_drop points
+    # of the core's. A debiasing diff should be read
     # beside both (docs/efficacy.md, stop 58).
-    c.eval.task_only = ml_collections.ConfigDict({"enabled": True, "max_drop": 0.005})
+    c.eval.task_only = ml_collections.ConfigDict({"enabled": True, "max_drop": 0.5})
     # Token-merge diffs built on the core after training and added to the
     # composition matrix (methods/token_merge.py; text encoders only): each
     # attribute's most telling tokens, in groups of counterparts (she / he),

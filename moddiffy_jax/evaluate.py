@@ -64,8 +64,8 @@ flags.DEFINE_bool(
 flags.DEFINE_float(
     "task_only_max_drop",
     None,
-    "Dev accuracy (a share) the task bottleneck may give up; default: the "
-    "run's config.eval.task_only.max_drop, else 0.005.",
+    "Points of dev accuracy the task bottleneck may give up; default: the "
+    "run's config.eval.task_only.max_drop, else 0.5.",
     flag_values=FLAGS,
 )
 flags.DEFINE_bool(

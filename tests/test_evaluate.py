@@ -68,7 +68,7 @@ def test_task_only_rows(run):
     """The core's decision and the task bottleneck (eval/bottleneck.py) as
     rows beside the compositions, with their notes in the report."""
     results = composition.evaluate_run(
-        run, probe_config=FAST_PROBES, inlp=False, task_only={"max_drop": 0.005}
+        run, probe_config=FAST_PROBES, inlp=False, task_only={"max_drop": 0.5}
     )
     rows = results["composition"]
     labels = list(rows)
@@ -212,8 +212,8 @@ def test_the_command_line_takes_the_runs_own_merge_and_strength_settings(
     assert evaluate.main(argv[:3] + ["--token_merge_max_drop=0.25"]) == 0
     assert seen["token_merge"] == {**merge, "max_drop": 0.25}
     assert seen["strength"] is None
-    assert evaluate.main(argv[:2] + ["--task_only_max_drop=0.02"]) == 0
-    assert seen["task_only"] == {"max_drop": 0.02}
+    assert evaluate.main(argv[:2] + ["--task_only_max_drop=2"]) == 0
+    assert seen["task_only"] == {"max_drop": 2.0}
     assert evaluate.main(argv[:2] + ["--notask_only"]) == 0
     assert seen["task_only"] is None
 

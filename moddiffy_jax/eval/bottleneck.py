@@ -36,8 +36,9 @@ import numpy as np
 
 from moddiffy_jax.eval import linear_probes
 
-#: Default dev-accuracy slack of the bottleneck (accuracy, not points).
-MAX_DROP = 0.005
+#: Default dev-accuracy slack of the bottleneck, in points (as
+#: ``eval.token_merge.max_drop``).
+MAX_DROP = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,8 +151,8 @@ def fit_bottleneck(
       dev_h, dev_task: the same for dev (the size is chosen on them).
       num_classes: task classes ``C``.
       reference_dev_accuracy: the core head's dev accuracy.
-      max_drop: the dev accuracy the bottleneck may give up (a fraction:
-        0.005 is half a point).
+      max_drop: the dev accuracy the bottleneck may give up, in points
+        (0.5: half a point).
       sizes: the numbers of coordinates to read, ascending (default 1, 2,
         4, ... and the full width).
 
@@ -167,10 +168,10 @@ def fit_bottleneck(
             "fit_bottleneck needs train and dev representations [N, H] of one "
             f"width; got {train_h.shape} and {dev_h.shape}."
         )
-    if not 0.0 <= max_drop < 1.0:
+    if not 0.0 <= max_drop < 100.0:
         raise ValueError(
-            f"max_drop is a share of accuracy in [0, 1) (0.005 = half a point); "
-            f"got {max_drop}."
+            f"max_drop is in points of accuracy, in [0, 100) (0.5 = half a "
+            f"point); got {max_drop}."
         )
     width = train_h.shape[1]
     sizes = list(sizes) if sizes is not None else _sizes(width)
@@ -195,7 +196,7 @@ def fit_bottleneck(
         acc = float(result.dev_accuracy)
         curve.append({"k": int(k), "dev_accuracy": acc})
         fits.append((kept, result.kernel, result.bias, acc))
-        if acc >= reference_dev_accuracy - max_drop:
+        if acc >= reference_dev_accuracy - max_drop / 100.0:
             break
     else:
         best = max(range(len(fits)), key=lambda i: (fits[i][3], -i))

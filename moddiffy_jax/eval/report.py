@@ -271,7 +271,7 @@ def _task_only_lines(rows: Mapping[str, Any]) -> list[str]:
             "coordinates the core head reads most, every other one held at its "
             "train mean (a last-LayerNorm diff), read by a linear task head refit "
             f"on train: the fewest coordinates whose dev accuracy "
-            f"({b['dev_accuracy']:.3f}) is within {100 * b['max_drop']:g} points "
+            f"({b['dev_accuracy']:.3f}) is within {b['max_drop']:g} points "
             f"of the core's ({b['reference_dev_accuracy']:.3f}). It keeps only "
             "the task and so removes every attribute at once: a baseline an "
             "attribute's diff should beat at its task cost."
