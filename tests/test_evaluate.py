@@ -95,6 +95,9 @@ def test_task_only_rows(run):
     for row in (decision, rows[cut]):
         for attr in ("gender", "age"):
             assert {"mean", "linear", "mlp"} <= set(row["leakage"][attr])
+    # No attacker on the decision's few logits (it is no reader there).
+    assert decision["leakage"]["gender"]["mean"] is None
+    assert rows[cut]["leakage"]["gender"]["mean"] is not None
     report = (run / "eval" / "report.md").read_text()
     assert "`core decision`:" in report
     assert f"`core+bottleneck`: the CLS vector cut to the {info['k']} " in report
