@@ -59,7 +59,7 @@ def export_run(run: Path, test_examples: int = 0) -> Path:
     train and dev splits (and every trained weight) stay as they were.
     """
     from moddiffy_jax import train
-    from moddiffy_jax.eval import composition
+    from moddiffy_jax.eval import bottleneck, composition
     from moddiffy_jax.eval import evaluator as evaluator_lib
     from moddiffy_jax.subnets import diff_files
 
@@ -93,7 +93,7 @@ def export_run(run: Path, test_examples: int = 0) -> Path:
     core = np.load(out / "core.npz")
     task_only = config.eval.get("task_only")
     max_drop = task_only.max_drop if task_only is not None else None
-    built = composition.task_only_reps(
+    built = bottleneck.task_only_reps(
         ctx,
         rep,
         art.head,

@@ -244,3 +244,42 @@ def decision_reps(
     """The core head's logits ``[N, C]`` of each split, as representations:
     what a probe reads of the core's own decision."""
     return {s: np.asarray(logits_of(h), np.float32) for s, h in reps.items()}
+
+
+def task_only_reps(
+    ctx, rep, head, core_reps, *, max_drop: float = MAX_DROP
+) -> dict[str, tuple[dict[str, np.ndarray], Callable, dict[str, Any]]]:
+    """The task-only references' representations, from the core's:
+    ``{"core decision" | "core+bottleneck": (reps by split, predict, info)}``
+    (``predict(h) -> int [N]``: the row's task readout; ``info``: what the
+    row is, for results.json). ``core_reps`` needs train and dev."""
+
+    def logits_of(h):
+        return rep.head(head, jnp.asarray(h, jnp.float32))
+
+    task = {s: ctx.data.splits[s].task for s in ("train", "dev")}
+    decision = decision_reps(logits_of, core_reps)
+    fit = fit_bottleneck(
+        logits_of,
+        core_reps["train"],
+        task["train"],
+        core_reps["dev"],
+        task["dev"],
+        num_classes=len(ctx.data.task_classes),
+        reference_dev_accuracy=float(
+            np.mean(np.asarray(rep.predict(head, core_reps["dev"])) == task["dev"])
+        ),
+        max_drop=max_drop,
+    )
+    return {
+        "core decision": (
+            decision,
+            lambda h: np.argmax(h, -1),
+            {"kind": "decision", "width": int(decision["train"].shape[1])},
+        ),
+        "core+bottleneck": (
+            {s: fit.apply(h) for s, h in core_reps.items()},
+            fit.predict,
+            {"kind": "bottleneck", "max_drop": float(max_drop), **fit.summary()},
+        ),
+    }

@@ -42,7 +42,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +51,17 @@ import numpy as np
 from absl import logging
 
 from moddiffy_jax import checkpoints
-from moddiffy_jax.data import bias as bias_lib
 from moddiffy_jax.eval import bottleneck as bottleneck_lib
 from moddiffy_jax.eval import inlp as inlp_lib
 from moddiffy_jax.eval import metrics as metrics_lib
 from moddiffy_jax.eval import ood as ood_lib
 from moddiffy_jax.eval import probes as probes_lib
+from moddiffy_jax.eval.bias_rows import (  # noqa: F401  (also this module's API)
+    _aligned_mask,
+    bias_split_metrics,
+    load_run_ood_sets,
+    ood_and_bias_rows,
+)
 from moddiffy_jax.eval.evaluator import Evaluator, compositions
 from moddiffy_jax.eval.forward import Representer  # noqa: F401
 from moddiffy_jax.eval.report import format_report, gap_closed  # noqa: F401
@@ -145,35 +150,6 @@ def load_artifacts(workdir: str | Path) -> RunArtifacts:
         for path in sorted((export / "joint").glob("*.safetensors"))
     }
     return RunArtifacts(core=core, head=head, diffs=diffs, joint=joint)
-
-
-def _aligned_mask(split: Any) -> np.ndarray | None:
-    """Bias-aligned mask [N] of a split carrying ``bias_logprobs``, else None."""
-    extras = getattr(split, "extras", {})
-    if bias_lib.BIAS_KEY not in extras:
-        return None
-    return bias_lib.bias_aligned(extras[bias_lib.BIAS_KEY], split.task)
-
-
-def bias_split_metrics(split: Any, predictions: np.ndarray) -> dict[str, float]:
-    """Accuracy on the bias-aligned and bias-conflicting examples of a split.
-
-    Args:
-      split: a TokenizedSplit carrying ``extras["bias_logprobs"]`` [N, C].
-      predictions: int [N] task predictions in row order.
-
-    Returns:
-      ``{"bias_aligned_acc", "bias_conflicting_acc", "bias_unbiased_acc"}``
-      (``NaN`` for an empty subset), or ``{}`` when the split has no bias
-      log-probs.
-    """
-    aligned = _aligned_mask(split)
-    if aligned is None:
-        return {}
-    acc = metrics_lib.bias_aligned_conflicting_accuracy(
-        split.task, predictions, aligned
-    )
-    return {f"bias_{k}_acc": v for k, v in acc.items()}
 
 
 def _task_metrics(ctx, rep: Representer, head, reps, splits) -> dict[str, Any]:
@@ -341,46 +317,6 @@ class _Readout:
         return np.asarray(self._predict(np.asarray(h)))
 
 
-def task_only_reps(
-    ctx, rep, head, core_reps, *, max_drop: float = bottleneck_lib.MAX_DROP
-) -> dict[str, tuple[dict[str, np.ndarray], Callable, dict[str, Any]]]:
-    """The task-only references' representations, from the core's:
-    ``{"core decision" | "core+bottleneck": (reps by split, predict, info)}``
-    (``predict(h) -> int [N]``: the row's task readout; ``info``: what the
-    row is, for results.json). ``core_reps`` needs train and dev."""
-    import jax.numpy as jnp
-
-    def logits_of(h):
-        return rep.head(head, jnp.asarray(h, jnp.float32))
-
-    task = {s: ctx.data.splits[s].task for s in ("train", "dev")}
-    decision = bottleneck_lib.decision_reps(logits_of, core_reps)
-    fit = bottleneck_lib.fit_bottleneck(
-        logits_of,
-        core_reps["train"],
-        task["train"],
-        core_reps["dev"],
-        task["dev"],
-        num_classes=len(ctx.data.task_classes),
-        reference_dev_accuracy=float(
-            np.mean(np.asarray(rep.predict(head, core_reps["dev"])) == task["dev"])
-        ),
-        max_drop=max_drop,
-    )
-    return {
-        "core decision": (
-            decision,
-            lambda h: np.argmax(h, -1),
-            {"kind": "decision", "width": int(decision["train"].shape[1])},
-        ),
-        "core+bottleneck": (
-            {s: fit.apply(h) for s, h in core_reps.items()},
-            fit.predict,
-            {"kind": "bottleneck", "max_drop": float(max_drop), **fit.summary()},
-        ),
-    }
-
-
 def _task_only_rows(
     ctx,
     rep,
@@ -395,7 +331,7 @@ def _task_only_rows(
 ) -> dict[str, Any]:
     """The rows ``core decision`` and ``core+bottleneck`` (no OOD sets)."""
     rows = {}
-    built = task_only_reps(ctx, rep, head, core_reps, max_drop=max_drop)
+    built = bottleneck_lib.task_only_reps(ctx, rep, head, core_reps, max_drop=max_drop)
     for label, (reps, predict, info) in built.items():
         row = _row(
             ctx,
@@ -410,105 +346,6 @@ def _task_only_rows(
             attacker=info["kind"] != "decision",
         )
         row["task_only"] = info
-        rows[label] = row
-    return rows
-
-
-def load_run_ood_sets(
-    config: ml_collections.ConfigDict,
-    task_classes: Sequence[str],
-    tokenizer: Any = None,
-) -> dict[str, ood_lib.OODSet]:
-    """The enabled OOD sets of a run's ``config.eval.ood`` ({} if none).
-
-    Run configs saved before ``eval.ood`` existed have no such field and get
-    ``{}``.
-
-    Args:
-      config: the run's full config.
-      task_classes: the model's task classes (``ctx.data.task_classes``).
-      tokenizer: the run's tokenizer; ``None`` loads the one of
-        ``config.model`` (only when some entry is enabled).
-
-    Returns:
-      name -> :class:`~moddiffy_jax.eval.ood.OODSet`.
-    """
-    ood_config = config.eval.ood if "ood" in config.eval else None
-    if not ood_lib.enabled_entries(ood_config):
-        return {}
-    if tokenizer is None:
-        from moddiffy_jax.models import text as text_lib
-
-        tokenizer = text_lib.load_tokenizer_for(config.model)
-    return ood_lib.load_ood_sets(
-        ood_config,
-        tokenizer,
-        max_length=config.data.max_length,
-        task_classes=tuple(task_classes),
-    )
-
-
-def ood_and_bias_rows(
-    ctx: Any,
-    predict: Callable[[Any, Any], np.ndarray],
-    params_by_row: Mapping[str, Any],
-    *,
-    splits: Sequence[str] = ("dev", "test"),
-    ood_sets: Mapping[str, ood_lib.OODSet] | None = None,
-    tokenizer: Any = None,
-) -> dict[str, dict[str, Any]]:
-    """OOD metrics and bias-aligned/conflicting accuracy for several models.
-
-    For the training loop's end-of-run table, without the probe machinery::
-
-        def predict(params, split):          # split: a TokenizedSplit
-            enc, head = params
-            ...                               # argmax over eval_batches(split)
-            return preds                      # int [N], row order
-        extra = composition.ood_and_bias_rows(
-            ctx, predict, {"core": (core, head), "core+gender": (composed, head)}
-        )
-        for label, fields in extra.items():
-            results["composition"][label].update(fields)
-
-    Args:
-      ctx: anything with ``.config`` (the run config) and ``.data`` (the
-        TokenizedDataset), e.g. ``train.Context``.
-      predict: ``predict(params, split) -> int [N]`` task predictions of the
-        model ``params`` on a TokenizedSplit (one of ``ctx.data.splits`` or an
-        OOD set's ``split``), in row order.
-      params_by_row: row label -> whatever ``predict`` takes as ``params``.
-      splits: the run's splits for the aligned/conflicting accuracy (those
-        without ``extras["bias_logprobs"]`` or absent are skipped).
-      ood_sets: preloaded sets (reuse them across calls); ``None`` loads
-        ``ctx.config.eval.ood`` via :func:`load_run_ood_sets`.
-      tokenizer: used only when loading the OOD sets (``None``: the run's).
-
-    Returns:
-      row label -> ``{"{split}_bias_aligned_acc", "{split}_bias_conflicting_acc"
-      (bias runs only), "ood": {name: metrics} (when OOD sets exist)}``; an
-      empty dict per row when neither applies.
-    """
-    if ood_sets is None:
-        ood_sets = load_run_ood_sets(ctx.config, ctx.data.task_classes, tokenizer)
-    bias_splits = [
-        s
-        for s in splits
-        if s in ctx.data.splits and _aligned_mask(ctx.data.splits[s]) is not None
-    ]
-    rows: dict[str, dict[str, Any]] = {}
-    for label, params in params_by_row.items():
-        row: dict[str, Any] = {}
-        for s in bias_splits:
-            split = ctx.data.splits[s]
-            acc = bias_split_metrics(split, np.asarray(predict(params, split)))
-            row[f"{s}_bias_aligned_acc"] = acc["bias_aligned_acc"]
-            row[f"{s}_bias_conflicting_acc"] = acc["bias_conflicting_acc"]
-        if ood_sets:
-            row["ood"] = {
-                name: ood_lib.ood_metrics(oset, np.asarray(predict(params, oset.split)))
-                for name, oset in ood_sets.items()
-            }
         rows[label] = row
     return rows
 
