@@ -25,7 +25,8 @@ Inputs, one per column group:
 * ``--run DIR``: a finished run of this library (exports its configurations'
   representations to ``DIR/eval/reps/`` in the same format first, with the
   task-only references ``core decision`` and ``core+bottleneck`` of
-  :mod:`moddiffy_jax.eval.bottleneck`).
+  :mod:`moddiffy_jax.eval.bottleneck` and the ``core+discriminant(...)`` rows
+  of :mod:`moddiffy_jax.eval.discriminant`).
 
 Usage::
 
@@ -59,7 +60,7 @@ def export_run(run: Path, test_examples: int = 0) -> Path:
     train and dev splits (and every trained weight) stay as they were.
     """
     from moddiffy_jax import train
-    from moddiffy_jax.eval import bottleneck, composition
+    from moddiffy_jax.eval import bottleneck, composition, discriminant
     from moddiffy_jax.eval import evaluator as evaluator_lib
     from moddiffy_jax.subnets import diff_files
 
@@ -99,6 +100,18 @@ def export_run(run: Path, test_examples: int = 0) -> Path:
         art.head,
         {s: core[f"{s}_h"] for s in SPLITS},
         **({} if max_drop is None else {"max_drop": max_drop}),
+    )
+    # The discriminant rows (eval/discriminant.py), likewise.
+    options = config.eval.get("discriminant")
+    max_drop = options.max_drop if options is not None else None
+    built.update(
+        discriminant.discriminant_reps(
+            ctx,
+            rep,
+            art.head,
+            {s: core[f"{s}_h"] for s in SPLITS},
+            **({} if max_drop is None else {"max_drop": max_drop}),
+        )
     )
     for label, (reps, predict, _) in built.items():
         arrays = {k: core[k] for k in core.files}

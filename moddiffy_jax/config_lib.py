@@ -227,6 +227,14 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # of the core's. A debiasing diff should be read
     # beside both (docs/efficacy.md, stop 58).
     c.eval.task_only = ml_collections.ConfigDict({"enabled": True, "max_drop": 0.5})
+    # The attribute-penalized task discriminant (eval/discriminant.py): the
+    # core's representation projected onto C - 1 task directions along which
+    # each attribute's groups sit together inside every task class; the
+    # penalty chosen on dev within max_drop points. Rows
+    # "core+discriminant(<attribute>)" and, for several, all together: a
+    # post-hoc projection (like INLP), not a weight diff (docs/efficacy.md,
+    # stop 59).
+    c.eval.discriminant = ml_collections.ConfigDict({"enabled": True, "max_drop": 0.5})
     # Token-merge diffs built on the core after training and added to the
     # composition matrix (methods/token_merge.py; text encoders only): each
     # attribute's most telling tokens, in groups of counterparts (she / he),

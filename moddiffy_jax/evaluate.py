@@ -12,8 +12,9 @@ works on runs trained elsewhere. Writes ``DIR/eval/results.json`` and
 ``--aggregate`` reads the evaluated runs of one experiment (different training
 seeds), given as the positional arguments, and prints mean ± std over runs
 per configuration. Flags are absl flags, as for ``moddiffy_jax.main``
-(``--noinlp``, ``--nolinear``, ``--notask_only`` turn the INLP rows, the
-linear probes and the task-only reference rows off).
+(``--noinlp``, ``--nolinear``, ``--notask_only``, ``--nodiscriminant`` turn
+the INLP rows, the linear probes, the task-only reference rows and the
+discriminant rows off).
 """
 
 from __future__ import annotations
@@ -66,6 +67,21 @@ flags.DEFINE_float(
     None,
     "Points of dev accuracy the task bottleneck may give up; default: the "
     "run's config.eval.task_only.max_drop, else 0.5.",
+    flag_values=FLAGS,
+)
+flags.DEFINE_bool(
+    "discriminant",
+    True,
+    "Add the rows core+discriminant(<attribute>) (and all attributes together): "
+    "the core's representation projected onto its attribute-penalized task "
+    "discriminant (eval/discriminant.py).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_float(
+    "discriminant_max_drop",
+    None,
+    "Points of dev accuracy the discriminant may give up; default: the run's "
+    "config.eval.discriminant.max_drop, else 0.5.",
     flag_values=FLAGS,
 )
 flags.DEFINE_bool(
@@ -215,6 +231,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             task_only=(
                 _step_options(run_eval, "task_only", max_drop=FLAGS.task_only_max_drop)
                 if FLAGS.task_only
+                else None
+            ),
+            discriminant=(
+                _step_options(
+                    run_eval, "discriminant", max_drop=FLAGS.discriminant_max_drop
+                )
+                if FLAGS.discriminant
                 else None
             ),
         )

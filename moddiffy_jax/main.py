@@ -176,6 +176,13 @@ def format_results(results: dict) -> str:
                 if "core decision" in leakage
                 else ""
             )
+            + (
+                "; core+discriminant(a): the CLS vector projected onto the "
+                "task's discriminant directions, penalized for attribute a "
+                "inside each task class (a post-hoc projection, like INLP)"
+                if any(k.startswith("core+discriminant(") for k in leakage)
+                else ""
+            )
         )
     for name, info in results.get("diffs", {}).items():
         lines.append(

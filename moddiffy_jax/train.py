@@ -592,9 +592,9 @@ def _stop_reason(config, global_step: int) -> str | None:
 
 def eval_options(config, name: str) -> dict[str, Any] | None:
     """``config.eval.<name>`` (an optional step of the evaluation with an
-    ``enabled`` switch: ``token_merge``, ``strength`` or ``task_only``) as the keyword
-    arguments ``evaluate_run`` takes for it (None when off, or for a config
-    without the section)."""
+    ``enabled`` switch: ``token_merge``, ``strength``, ``task_only`` or
+    ``discriminant``) as the keyword arguments ``evaluate_run`` takes for it
+    (None when off, or for a config without the section)."""
     section = config.eval.get(name)
     if section is None or not section.enabled:
         return None
@@ -626,9 +626,11 @@ def _leakage(
         token_merge=eval_options(config, "token_merge"),
         strength=eval_options(config, "strength"),
         task_only=eval_options(config, "task_only"),
+        discriminant=eval_options(config, "discriminant"),
     )
     for label, row in evaluation["composition"].items():
-        if label not in results["composition"]:  # INLP, task-only, merge rows
+        # INLP, task-only, discriminant and merge rows
+        if label not in results["composition"]:
             results["composition"][label] = {
                 k: row[k] for k in ("dev_task_acc", "test_task_acc")
             }

@@ -108,6 +108,44 @@ def test_task_only_rows(run):
     assert "core+bottleneck" in printed and "core decision: the core head's" in printed
 
 
+def test_discriminant_rows(run):
+    """One discriminant row per attribute and one for both
+    (eval/discriminant.py), probed by lin and mlp, no attacker, with their
+    note in the report and the printed table."""
+    results = composition.evaluate_run(
+        run,
+        probe_config=FAST_PROBES,
+        inlp=False,
+        max_subset_size=0,
+        discriminant={"max_drop": 0.5},
+    )
+    rows = results["composition"]
+    labels = [
+        "core+discriminant(gender)",
+        "core+discriminant(age)",
+        "core+discriminant(gender,age)",
+    ]
+    assert list(rows) == ["core"] + labels
+    for label in labels:
+        info = rows[label]["discriminant"]
+        assert info["kind"] == "discriminant" and info["k"] == 1
+        assert info["penalty"] in [c["penalty"] for c in info["candidates"]]
+        assert info["reference_dev_accuracy"] == pytest.approx(
+            rows["core"]["dev_task_acc"]
+        )
+        for attr in ("gender", "age"):
+            leak = rows[label]["leakage"][attr]
+            assert leak["mean"] is None and {"linear", "mlp"} <= set(leak)
+            assert "discriminant: no attacker reading" in leak["notes"][0]
+    assert rows[labels[2]]["discriminant"]["attributes"] == ["gender", "age"]
+    report = (run / "eval" / "report.md").read_text()
+    assert "`core+discriminant(...)`: the core's representation projected" in report
+    assert "| core+discriminant(gender,age) |" in report
+    whole = json.loads((run / "results.json").read_text())
+    whole["leakage"] = {label: row["leakage"] for label, row in rows.items()}
+    assert "core+discriminant(a): the CLS vector" in main.format_results(whole)
+
+
 def test_weights_and_subset_size(run):
     results = composition.evaluate_run(
         run,
@@ -219,6 +257,11 @@ def test_the_command_line_takes_the_runs_own_merge_and_strength_settings(
     assert seen["task_only"] == {"max_drop": 2.0}
     assert evaluate.main(argv[:2] + ["--notask_only"]) == 0
     assert seen["task_only"] is None
+    assert seen["discriminant"] == {"max_drop": section.discriminant.max_drop}
+    assert evaluate.main(argv[:2] + ["--discriminant_max_drop=1"]) == 0
+    assert seen["discriminant"] == {"max_drop": 1.0}
+    assert evaluate.main(argv[:2] + ["--nodiscriminant"]) == 0
+    assert seen["discriminant"] is None
 
 
 def test_diff_from_another_base_is_refused(run, tmp_path):

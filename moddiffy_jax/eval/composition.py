@@ -52,6 +52,7 @@ from absl import logging
 
 from moddiffy_jax import checkpoints
 from moddiffy_jax.eval import bottleneck as bottleneck_lib
+from moddiffy_jax.eval import discriminant as discriminant_lib
 from moddiffy_jax.eval import inlp as inlp_lib
 from moddiffy_jax.eval import metrics as metrics_lib
 from moddiffy_jax.eval import ood as ood_lib
@@ -192,17 +193,18 @@ def _leakage(
     linear: bool,
     mlp: bool = False,
     pool=None,
-    attacker: bool = True,
+    attacker: bool | str = True,
 ) -> dict[str, Any]:
     """Each attribute's probes of one row, one after the other; with
     ``pool`` (an executor) each attribute's entry is a future of it, which
     :func:`_resolve_leakage` reads (the same numbers). ``attacker=False``
-    leaves the attacker's entries None (the ``core decision`` row)."""
+    leaves the attacker's entries None (the ``core decision`` row); a string
+    does the same with itself as the note."""
 
     def one(attr: str) -> dict[str, Any]:
         labels = {s: ctx.data.splits[s].attrs[attr] for s in SPLITS}
         n = len(ctx.data.attr_classes[attr])
-        if not attacker:
+        if attacker is not True:
             entry = {
                 "mean": None,
                 "std": None,
@@ -210,7 +212,7 @@ def _leakage(
                 "dev_std": None,
                 "per_seed_test": [],
                 "best_epoch": [],
-                "notes": [NO_ATTACKER_NOTE],
+                "notes": [attacker if isinstance(attacker, str) else NO_ATTACKER_NOTE],
                 "chance": 1.0 / n,
             }
             return others(entry, reps, labels, n)
@@ -317,22 +319,23 @@ class _Readout:
         return np.asarray(self._predict(np.asarray(h)))
 
 
-def _task_only_rows(
+def _readout_rows(
     ctx,
-    rep,
-    head,
-    core_reps,
+    built,
     probe_config,
     linear,
     splits,
     pool,
     mlp,
-    max_drop: float = bottleneck_lib.MAX_DROP,
+    key: str,
 ) -> dict[str, Any]:
-    """The rows ``core decision`` and ``core+bottleneck`` (no OOD sets)."""
+    """Rows whose representations and task readout are built from the core's
+    (``built``: ``{label: (reps, predict, info)}``; no OOD sets); ``info``
+    goes to ``row[key]``. The decision and discriminant rows have no
+    attacker reading (their few dimensions)."""
     rows = {}
-    built = bottleneck_lib.task_only_reps(ctx, rep, head, core_reps, max_drop=max_drop)
     for label, (reps, predict, info) in built.items():
+        kind = info.get("kind")
         row = _row(
             ctx,
             _Readout(predict),
@@ -343,9 +346,13 @@ def _task_only_rows(
             splits,
             pool=pool,
             mlp=mlp,
-            attacker=info["kind"] != "decision",
+            attacker=(
+                discriminant_lib.NO_ATTACKER_NOTE
+                if kind == "discriminant"
+                else kind != "decision"
+            ),
         )
-        row["task_only"] = info
+        row[key] = info
         rows[label] = row
     return rows
 
@@ -366,6 +373,7 @@ def evaluate_run(
     strength: Mapping[str, Any] | None = None,
     known_reps: Mapping[str, Mapping[str, np.ndarray]] | None = None,
     task_only: Mapping[str, Any] | None = None,
+    discriminant: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Evaluates the composition matrix of a finished run; see the module doc.
 
@@ -403,6 +411,11 @@ def evaluate_run(
         ``core decision`` and ``core+bottleneck``
         (:mod:`moddiffy_jax.eval.bottleneck`) for runs with protected
         attributes.
+      discriminant: if given (keyword arguments: ``max_drop``), add the rows
+        ``core+discriminant(<attribute>)`` and, for several attributes, all
+        together (:mod:`moddiffy_jax.eval.discriminant`: the core's
+        representation projected onto its attribute-penalized task
+        discriminant).
 
     Returns:
       The results (also written to ``workdir/eval/results.json``).
@@ -537,18 +550,35 @@ def evaluate_run(
                 }
                 rows[f"core+INLP({attr})"] = row
         if task_only is not None and ctx.attributes:
+            built = bottleneck_lib.task_only_reps(
+                ctx, rep, art.head, core_reps, **dict(task_only)
+            )
             rows.update(
-                _task_only_rows(
+                _readout_rows(
                     ctx,
-                    rep,
-                    art.head,
-                    core_reps,
+                    built,
                     probe_config,
                     linear,
                     eval_splits,
                     pool,
                     mlp,
-                    **dict(task_only),
+                    "task_only",
+                )
+            )
+        if discriminant is not None and ctx.attributes:
+            built = discriminant_lib.discriminant_reps(
+                ctx, rep, art.head, core_reps, **dict(discriminant)
+            )
+            rows.update(
+                _readout_rows(
+                    ctx,
+                    built,
+                    probe_config,
+                    linear,
+                    eval_splits,
+                    pool,
+                    mlp,
+                    "discriminant",
                 )
             )
         if token_merge is not None and ctx.attributes:

@@ -124,6 +124,10 @@ class ProbeConfig:
         slower); off, it is read once with the kept epoch's members.
       activation: After each hidden Dense: ``"tanh"`` (the paper's) or
         ``"relu"``.
+      min_width: Hidden layers at least this wide (0: the input's width,
+        the paper's). On a few inputs (a row of logits or projections) a
+        hidden layer of the input's width is nearly linear: one ReLU unit
+        on one input cannot read a spread.
       threads: How many probe ensembles a composition table trains at once,
         on worker threads, while it encodes the next rows
         (``composition.evaluate_run``). The probe's small batched matmuls
@@ -135,6 +139,7 @@ class ProbeConfig:
 
     members: int = 5
     hidden: int = 1
+    min_width: int = 0
     dropout: float = 0.3
     lr: float = 1e-4
     weight_decay: float = 0.01
@@ -303,10 +308,13 @@ def _nan_to_inf(x: np.ndarray) -> np.ndarray:
 # The jitted program.
 
 
-def _make_head(config: ProbeConfig, num_classes: int) -> ClassifierHead:
+def _make_head(
+    config: ProbeConfig, num_classes: int, width: int | None = None
+) -> ClassifierHead:
     return ClassifierHead(
         num_outputs=num_classes,
         num_hidden=config.hidden,
+        hidden_size=max(config.min_width, width or 0) or None,
         dropout=config.dropout,
         activation=config.activation,
     )
@@ -426,10 +434,10 @@ def _run_one_seed(seed, data, *, config: ProbeConfig, num_classes: int):
     Returns:
       Per-epoch history dict, every leaf with a leading [E] axis.
     """
-    head = _make_head(config, num_classes)
-    tx = _make_tx(config)
     train_h, train_y = data["train_h"], data["train_y"]
     n, width = train_h.shape
+    head = _make_head(config, num_classes, width)
+    tx = _make_tx(config)
     bs = config.batch_size
     num_batches = -(-n // bs)
 
@@ -598,7 +606,9 @@ def train_probe_ensemble(
 
 
 #: A probe trained until it stops improving, beside the paper's attacker:
-#: one ReLU MLP of the representation's width on standardized inputs,
+#: one ReLU MLP of the representation's width (at least 64: on a row of a
+#: few logits or projections a layer of the input's width is nearly
+#: linear; stop 59) on standardized inputs,
 #: AdamW at lr 3e-3 (30 times the attacker's) for MLP_EPOCHS epochs of
 #: batch 256, no dropout, class-balanced, one seed; read at the epoch with
 #: the best dev balanced accuracy (:func:`converged_mlp_probe`). The
@@ -626,6 +636,7 @@ CONVERGED_MLP = ProbeConfig(
     whiten=False,
     test_curves=True,
     activation="relu",
+    min_width=64,
 )
 
 

@@ -171,6 +171,7 @@ def format_report(results: Mapping[str, Any]) -> str:
         lines += ["", _floor_note()]
         lines += _gap_closed_lines(rows, attrs, floors, has_mlp)
     lines += _task_only_lines(rows)
+    lines += _discriminant_lines(rows)
     lines += _strength_lines(results.get("strength") or {})
     lines += _token_merge_lines(results.get("token_merge") or {})
     lines += _ood_detail_tables(rows, ood_names)
@@ -276,6 +277,34 @@ def _task_only_lines(rows: Mapping[str, Any]) -> list[str]:
             "the task and so removes every attribute at once: a baseline an "
             "attribute's diff should beat at its task cost."
         )
+    return lines
+
+
+def _discriminant_lines(rows: Mapping[str, Any]) -> list[str]:
+    """What the discriminant rows are (eval/discriminant.py)."""
+    found = {k: r["discriminant"] for k, r in rows.items() if "discriminant" in r}
+    if not found:
+        return []
+    first = next(iter(found.values()))
+    lines = [
+        "",
+        f"`core+discriminant(...)`: the core's representation projected onto "
+        f"{first['k']} task direction(s) (the task's classes less one) along "
+        "which, inside each task class, the named attributes' groups sit "
+        "together: Fisher's discriminant with the attributes' within-class "
+        "mean scatter as a penalty, read by a linear task head refit on train. "
+        "The penalty is the one whose dev leakage (a Gaussian-mixture reader) "
+        f"is closest to the floor, of those within {first['max_drop']:g} "
+        "points of the core's dev accuracy. A post-hoc projection like INLP, "
+        "not a weight diff; it keeps only the task, so it also lowers other "
+        "attributes. Chosen penalties: "
+        + "; ".join(
+            f"{label} {d['penalty']:g} (dev {d['dev_accuracy']:.3f}, core "
+            f"{d['reference_dev_accuracy']:.3f})"
+            for label, d in found.items()
+        )
+        + ".",
+    ]
     return lines
 
 
