@@ -172,10 +172,16 @@ def test_the_bottleneck_is_a_last_layernorm_diff():
         fit.apply(h[:, :4])
 
 
-def test_decision_reps_are_the_heads_logits(data):
+def test_decision_reps_are_the_heads_centred_logits(data):
+    """The logits less their mean over classes: a shift shared by all the
+    logits (no part of the decision) is left out."""
     splits, logits_of, _ = data
     reps = {s: splits[s][0] for s in splits}
     out = bottleneck.decision_reps(logits_of, reps)
+    shifted = bottleneck.decision_reps(lambda h: logits_of(h) + h[:, 5:6] ** 2, reps)
     for s, h in reps.items():
-        np.testing.assert_allclose(out[s], np.asarray(logits_of(h)), rtol=1e-6)
+        logits = np.asarray(logits_of(h))
+        expected = logits - logits.mean(-1, keepdims=True)
+        np.testing.assert_allclose(out[s], expected, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(shifted[s], out[s], rtol=1e-5, atol=1e-5)
         assert out[s].shape == (len(h), 2)
