@@ -153,6 +153,28 @@ def test_several_attributes_at_once(splits):
     assert both.candidates[0]["dev_floor"]["b"] == pytest.approx(floor)
 
 
+def test_a_saved_discriminant_reads_back_and_names_its_core(splits, tmp_path):
+    fitted = fit(splits, max_drop=3.0, reference_dev_accuracy=0.0)
+    path = discriminant.save_discriminant(
+        tmp_path / "d" / "a.safetensors", fitted, base_fingerprint="abc"
+    )
+    again = discriminant.load_discriminant(path, base_fingerprint="abc")
+    h = splits["test"][0]
+    np.testing.assert_array_equal(again.apply(h), fitted.apply(h))
+    assert again.summary() == fitted.summary()
+    with pytest.raises(ValueError, match="core 'abc', not of the given core 'xyz'"):
+        discriminant.load_discriminant(path, base_fingerprint="xyz")
+    from safetensors.numpy import save_file
+
+    other = tmp_path / "other.safetensors"
+    save_file({"x": np.zeros(2, np.float32)}, str(other))
+    with pytest.raises(ValueError, match="not a discriminant file"):
+        discriminant.load_discriminant(other)
+    # Written again: replaced whole, nothing left beside it.
+    discriminant.save_discriminant(path, fitted)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["a.safetensors"]
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -138,6 +138,16 @@ def test_discriminant_rows(run):
             assert leak["mean"] is None and {"linear", "mlp"} <= set(leak)
             assert "discriminant: no attacker reading" in leak["notes"][0]
     assert rows[labels[2]]["discriminant"]["attributes"] == ["gender", "age"]
+    # Each fit is written beside the report and names the core it projects.
+    from moddiffy_jax.eval import discriminant
+    from moddiffy_jax.subnets.sparse_diff import fingerprint
+
+    core = composition.load_artifacts(run).core
+    saved = discriminant.load_discriminant(
+        run / "eval" / "discriminant" / "gender,age.safetensors",
+        base_fingerprint=fingerprint(core),
+    )
+    assert saved.penalty == rows[labels[2]]["discriminant"]["penalty"]
     report = (run / "eval" / "report.md").read_text()
     assert "`core+discriminant(...)`: the core's representation projected" in report
     assert "| core+discriminant(gender,age) |" in report

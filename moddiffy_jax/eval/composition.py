@@ -67,6 +67,7 @@ from moddiffy_jax.eval.evaluator import Evaluator, compositions
 from moddiffy_jax.eval.forward import Representer  # noqa: F401
 from moddiffy_jax.eval.report import format_report, gap_closed  # noqa: F401
 from moddiffy_jax.subnets import diffs as diffs_lib
+from moddiffy_jax.subnets.sparse_diff import fingerprint
 
 SPLITS = ("train", "dev", "test")
 #: A task head predicting one class for at least this share of a split is
@@ -567,7 +568,13 @@ def evaluate_run(
             )
         if discriminant is not None and ctx.attributes:
             built = discriminant_lib.discriminant_reps(
-                ctx, rep, art.head, core_reps, **dict(discriminant)
+                ctx,
+                rep,
+                art.head,
+                core_reps,
+                save_dir=workdir / "eval" / "discriminant",
+                base_fingerprint=fingerprint(art.core),
+                **dict(discriminant),
             )
             rows.update(
                 _readout_rows(

@@ -33,11 +33,17 @@ also lowers other attributes that the task does not imply.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
+from moddiffy_jax._files import publish_mode, temp_file_beside
 from moddiffy_jax.eval import linear_probes, metrics, removal
 
 __all__ = [
@@ -47,8 +53,14 @@ __all__ = [
     "discriminant_directions",
     "fit_discriminant",
     "gaussian_leakage",
+    "load_discriminant",
+    "save_discriminant",
     "scatter_matrices",
 ]
+
+FORMAT_NAME = "moddiffy_discriminant"
+FORMAT_VERSION = 1
+_ARRAYS = ("mean", "directions", "scale", "kernel", "bias")
 
 #: Default dev-accuracy slack, in points.
 MAX_DROP = 0.5
@@ -373,6 +385,74 @@ def fit_discriminant(
     )
 
 
+def save_discriminant(
+    path: str | os.PathLike, fit: Discriminant, *, base_fingerprint: str = ""
+) -> Path:
+    """Writes ``fit`` to a safetensors file (its arrays, and its settings as
+    JSON metadata with ``base_fingerprint``: the core whose representation
+    it projects, :func:`moddiffy_jax.subnets.sparse_diff.fingerprint`).
+    Written beside and renamed into place: an existing file is replaced
+    whole or not at all."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "base_fingerprint": base_fingerprint,
+        "penalty": fit.penalty,
+        "attributes": list(fit.attributes),
+        "dev_accuracy": fit.dev_accuracy,
+        "reference_dev_accuracy": fit.reference_dev_accuracy,
+        "candidates": [dict(c) for c in fit.candidates],
+    }
+    tensors = {k: np.ascontiguousarray(getattr(fit, k), np.float32) for k in _ARRAYS}
+    tmp = temp_file_beside(path, suffix=".safetensors")
+    try:
+        save_file(tensors, tmp, metadata={FORMAT_NAME: json.dumps(meta)})
+        publish_mode(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def load_discriminant(
+    path: str | os.PathLike, *, base_fingerprint: str | None = None
+) -> Discriminant:
+    """Reads :func:`save_discriminant`'s file. With ``base_fingerprint``,
+    refuses a file fitted on another core's representation."""
+    with safe_open(str(path), framework="numpy") as f:
+        raw = (f.metadata() or {}).get(FORMAT_NAME)
+        if raw is None:
+            raise ValueError(
+                f"{path} is not a discriminant file (no {FORMAT_NAME!r} "
+                "metadata); write one with save_discriminant."
+            )
+        arrays = {k: f.get_tensor(k) for k in _ARRAYS}
+    meta = json.loads(raw)
+    if meta.get("version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path} is discriminant format version {meta.get('version')}; this "
+            f"library reads version {FORMAT_VERSION}."
+        )
+    if base_fingerprint is not None and meta["base_fingerprint"] != base_fingerprint:
+        raise ValueError(
+            f"{path} was fitted on the representation of core "
+            f"{meta['base_fingerprint']!r}, not of the given core "
+            f"{base_fingerprint!r}: fit it again on this core "
+            "(fit_discriminant or python -m moddiffy_jax.evaluate)."
+        )
+    return Discriminant(
+        **arrays,
+        penalty=float(meta["penalty"]),
+        attributes=tuple(meta["attributes"]),
+        dev_accuracy=float(meta["dev_accuracy"]),
+        reference_dev_accuracy=float(meta["reference_dev_accuracy"]),
+        candidates=tuple(meta["candidates"]),
+    )
+
+
 #: Why the discriminant rows have no attacker reading.
 NO_ATTACKER_NOTE = (
     "discriminant: no attacker reading; on its C - 1 projections the "
@@ -382,12 +462,21 @@ NO_ATTACKER_NOTE = (
 
 
 def discriminant_reps(
-    ctx, rep, head, core_reps, *, max_drop: float = MAX_DROP
+    ctx,
+    rep,
+    head,
+    core_reps,
+    *,
+    max_drop: float = MAX_DROP,
+    save_dir: str | os.PathLike | None = None,
+    base_fingerprint: str = "",
 ) -> dict[str, tuple[dict[str, np.ndarray], Any, dict[str, Any]]]:
     """The rows ``core+discriminant(<attribute>)`` for each of the run's
     attributes and, for several, ``core+discriminant(<a>,<b>,...)`` for all
     together: ``{label: (reps by split, predict, info)}`` from the core's
-    representations (``core_reps`` needs train and dev)."""
+    representations (``core_reps`` needs train and dev). With ``save_dir``,
+    each fit is also written there as ``<a>[,<b>...].safetensors``
+    (:func:`save_discriminant`; ``info["file"]`` names it)."""
     splits = ctx.data.splits
     task = {s: splits[s].task for s in ("train", "dev")}
     reference = float(
@@ -410,9 +499,14 @@ def discriminant_reps(
             reference_dev_accuracy=reference,
             max_drop=max_drop,
         )
+        info = {"max_drop": float(max_drop), **fit.summary()}
+        if save_dir is not None:
+            path = Path(save_dir) / f"{','.join(group)}.safetensors"
+            save_discriminant(path, fit, base_fingerprint=base_fingerprint)
+            info["file"] = str(path)
         out[f"core+discriminant({','.join(group)})"] = (
             {s: fit.apply(h) for s, h in core_reps.items()},
             fit.predict,
-            {"max_drop": float(max_drop), **fit.summary()},
+            info,
         )
     return out
