@@ -52,6 +52,15 @@ Since stop 58 it has two task-only reference rows (eval.task_only): the
 core's decision (its head's logits probed) and a task bottleneck (the
 few CLS coordinates the head reads most, a last-LayerNorm diff with a
 refit head; a baseline that removes every attribute at once).
+Since stop 59 it has the attribute-penalized task discriminant's rows
+(eval.discriminant; moddiffy_jax/eval/discriminant.py): the core's CLS
+vector projected onto the task's C - 1 discriminant directions, penalized
+for each attribute's within-class mean shifts, the penalty chosen on dev.
+A post-hoc projection like INLP, not a weight diff; on the main job it
+closes 0.9 of gender's gap and all of age's under the linear and the
+converged MLP probe at 0.5 points, and on dwmw17's finetune core 0.78 of
+dialect's under the converged MLP at 0.8 points (docs/efficacy.md,
+"Stop 59").
 Since stop 29 the main job also builds a token-merge diff per attribute on
 its core (eval.token_merge; docs/efficacy.md, "Stop 29"): on seed 0 they
 close 0.65 / 0.86 (attacker / linear) of gender's gap at -1.1 points and
