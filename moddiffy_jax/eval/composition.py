@@ -15,6 +15,12 @@
   ``core+bottleneck``, the CLS vector cut to the ``K`` coordinates
   the head reads most (a last-LayerNorm diff plus a head refit on train),
   the smallest ``K`` within ``max_drop`` of the core's dev accuracy.
+* the attribute-penalized task discriminant (``discriminant``,
+  :mod:`moddiffy_jax.eval.discriminant`): ``core+discriminant(<attribute>)``
+  per attribute and all attributes together, the core's CLS vector projected
+  onto the task's ``C - 1`` discriminant directions penalized for each
+  attribute's within-class mean shifts (a post-hoc projection like INLP;
+  each fit saved to ``eval/discriminant/``).
 
 For each configuration: task accuracy, macro-F1, balanced accuracy and
 per-group fairness metrics (TPR gap RMS) of the run's own task head, and, for
