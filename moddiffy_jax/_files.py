@@ -39,3 +39,21 @@ def publish_dir_mode(directory: str | os.PathLike) -> None:
     """Gives a directory made by ``tempfile.mkdtemp`` (owner-only) the usual
     ``0o777 & ~umask`` mode."""
     os.chmod(directory, 0o777 & ~_umask())
+
+
+def replace_safetensors(
+    path: str | os.PathLike, tensors: dict, metadata: dict[str, str]
+) -> None:
+    """Writes a safetensors file beside ``path`` and renames it onto
+    ``path``: an existing file is replaced whole or not at all, and no
+    temporary file is left behind on failure."""
+    from safetensors.numpy import save_file
+
+    tmp = temp_file_beside(path, suffix=".safetensors")
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        publish_mode(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

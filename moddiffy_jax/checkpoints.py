@@ -27,9 +27,9 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
-from moddiffy_jax._files import publish_mode, temp_file_beside
+from moddiffy_jax._files import replace_safetensors, temp_file_beside
 from moddiffy_jax.subnets import selection
 
 PARAMS_FORMAT = "moddiffy_jax.params/1"
@@ -56,14 +56,7 @@ def save_params(
         k: np.asarray(jax.device_get(v)) for k, v in selection.flatten(params).items()
     }
     meta = {"format": PARAMS_FORMAT, "metadata": json.dumps(dict(metadata or {}))}
-    tmp = temp_file_beside(path)
-    try:
-        save_file(flat, tmp, metadata=meta)
-        publish_mode(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    replace_safetensors(path, flat, meta)
     return path
 
 

@@ -556,42 +556,37 @@ def evaluate_run(
                     "directions_removed": int(fit.num_removed),
                 }
                 rows[f"core+INLP({attr})"] = row
-        if task_only is not None and ctx.attributes:
-            built = bottleneck_lib.task_only_reps(
-                ctx, rep, art.head, core_reps, **dict(task_only)
-            )
-            rows.update(
-                _readout_rows(
-                    ctx,
-                    built,
-                    probe_config,
-                    linear,
-                    eval_splits,
-                    pool,
-                    mlp,
+        # Rows read from the core's representations through their own task
+        # readouts: the task-only references and the discriminants.
+        readouts = []
+        if task_only is not None:
+            readouts.append(
+                (
                     "task_only",
+                    lambda: bottleneck_lib.task_only_reps(
+                        ctx, rep, art.head, core_reps, **dict(task_only)
+                    ),
                 )
             )
-        if discriminant is not None and ctx.attributes:
-            built = discriminant_lib.discriminant_reps(
-                ctx,
-                rep,
-                art.head,
-                core_reps,
-                save_dir=workdir / "eval" / "discriminant",
-                base_fingerprint=fingerprint(art.core),
-                **dict(discriminant),
+        if discriminant is not None:
+            readouts.append(
+                (
+                    "discriminant",
+                    lambda: discriminant_lib.discriminant_reps(
+                        ctx,
+                        rep,
+                        art.head,
+                        core_reps,
+                        save_dir=workdir / "eval" / "discriminant",
+                        base_fingerprint=fingerprint(art.core),
+                        **dict(discriminant),
+                    ),
+                )
             )
+        for key, build in readouts if ctx.attributes else ():
             rows.update(
                 _readout_rows(
-                    ctx,
-                    built,
-                    probe_config,
-                    linear,
-                    eval_splits,
-                    pool,
-                    mlp,
-                    "discriminant",
+                    ctx, build(), probe_config, linear, eval_splits, pool, mlp, key
                 )
             )
         if token_merge is not None and ctx.attributes:

@@ -41,9 +41,8 @@ from typing import Any
 
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
-from moddiffy_jax._files import publish_mode, temp_file_beside
+from moddiffy_jax._files import replace_safetensors
 from moddiffy_jax.eval import linear_probes, metrics, removal
 
 __all__ = [
@@ -406,14 +405,7 @@ def save_discriminant(
         "candidates": [dict(c) for c in fit.candidates],
     }
     tensors = {k: np.ascontiguousarray(getattr(fit, k), np.float32) for k in _ARRAYS}
-    tmp = temp_file_beside(path, suffix=".safetensors")
-    try:
-        save_file(tensors, tmp, metadata={FORMAT_NAME: json.dumps(meta)})
-        publish_mode(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    replace_safetensors(path, tensors, {FORMAT_NAME: json.dumps(meta)})
     return path
 
 
