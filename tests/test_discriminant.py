@@ -203,11 +203,23 @@ def test_bad_inputs_are_refused(splits):
             num_attr_classes={"a": 2, "b": 2},
             reference_dev_accuracy=0.9,
         )
-    with pytest.raises(ValueError, match="of one width"):
+    with pytest.raises(ValueError, match="differ in feature width"):
         discriminant.fit_discriminant(
             htr,
             ttr,
             hdv[:, :4],
+            tdv,
+            {"a": atr},
+            {"a": adv},
+            num_classes=2,
+            num_attr_classes={"a": 2},
+            reference_dev_accuracy=0.9,
+        )
+    with pytest.raises(ValueError, match=r"train: labels outside \[0, 2\)"):
+        discriminant.fit_discriminant(
+            htr,
+            ttr + 1,
+            hdv,
             tdv,
             {"a": atr},
             {"a": adv},

@@ -44,6 +44,7 @@ from safetensors import safe_open
 
 from moddiffy_jax._files import replace_safetensors
 from moddiffy_jax.eval import linear_probes, metrics, removal
+from moddiffy_jax.eval.probe_inputs import check_splits
 
 __all__ = [
     "MAX_DROP",
@@ -297,13 +298,13 @@ def fit_discriminant(
         )
     if not penalties or any(p < 0 for p in penalties):
         raise ValueError(f"penalties must be >= 0; got {list(penalties)}.")
+    # Shapes, widths and label ranges, as every probe checks them.
+    checked, _ = check_splits(
+        {"train": (train_h, train_task), "dev": (dev_h, dev_task)}, num_classes
+    )
+    (train_h, train_task), (dev_h, dev_task) = checked["train"], checked["dev"]
     train_h = np.asarray(train_h, np.float32)
     dev_h = np.asarray(dev_h, np.float32)
-    if train_h.ndim != 2 or dev_h.ndim != 2 or train_h.shape[1] != dev_h.shape[1]:
-        raise ValueError(
-            "fit_discriminant needs train and dev representations [N, H] of one "
-            f"width; got {train_h.shape} and {dev_h.shape}."
-        )
     within, between, attr_scatter = scatter_matrices(
         train_h, train_task, {a: train_attrs[a] for a in names}
     )
