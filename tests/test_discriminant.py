@@ -189,44 +189,33 @@ def test_bad_settings_are_refused(splits, kwargs, match):
         fit(splits, **kwargs)
 
 
-def test_bad_inputs_are_refused(splits):
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"dev_attrs": "other name"}, "same attributes"),
+        ({"dev_h": "narrower"}, "differ in feature width"),
+        ({"train_task": "shifted"}, r"train: labels outside \[0, 2\)"),
+    ],
+)
+def test_bad_inputs_are_refused(splits, change, match):
     (htr, ttr, atr), (hdv, tdv, adv) = splits["train"], splits["dev"]
-    with pytest.raises(ValueError, match="same attributes"):
+    dev_attrs = {"b": adv} if "dev_attrs" in change else {"a": adv}
+    with pytest.raises(ValueError, match=match):
         discriminant.fit_discriminant(
             htr,
-            ttr,
-            hdv,
+            ttr + 1 if "train_task" in change else ttr,
+            hdv[:, :4] if "dev_h" in change else hdv,
             tdv,
             {"a": atr},
-            {"b": adv},
+            dev_attrs,
             num_classes=2,
             num_attr_classes={"a": 2, "b": 2},
             reference_dev_accuracy=0.9,
         )
-    with pytest.raises(ValueError, match="differ in feature width"):
-        discriminant.fit_discriminant(
-            htr,
-            ttr,
-            hdv[:, :4],
-            tdv,
-            {"a": atr},
-            {"a": adv},
-            num_classes=2,
-            num_attr_classes={"a": 2},
-            reference_dev_accuracy=0.9,
-        )
-    with pytest.raises(ValueError, match=r"train: labels outside \[0, 2\)"):
-        discriminant.fit_discriminant(
-            htr,
-            ttr + 1,
-            hdv,
-            tdv,
-            {"a": atr},
-            {"a": adv},
-            num_classes=2,
-            num_attr_classes={"a": 2},
-            reference_dev_accuracy=0.9,
-        )
+
+
+def test_a_fit_refuses_another_width(splits):
+    htr = splits["train"][0]
     fitted = fit(splits, penalties=(0.0,))
     with pytest.raises(ValueError, match="fitted on width 8"):
         fitted.apply(htr[:, :5])
