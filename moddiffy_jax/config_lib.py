@@ -231,10 +231,15 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # core's representation projected onto C - 1 task directions along which
     # each attribute's groups sit together inside every task class; the
     # penalty chosen on dev within max_drop points. Rows
-    # "core+discriminant(<attribute>)" and, for several, all together: a
-    # post-hoc projection (like INLP), not a weight diff (docs/efficacy.md,
-    # stop 59).
-    c.eval.discriminant = ml_collections.ConfigDict({"enabled": True, "max_drop": 0.5})
+    # "core+discriminant(<attribute>)" and, for several, all together
+    # (docs/efficacy.md, stop 59). weights: each written into a sparse diff
+    # of the core's last layer, the row read from the encoder with it added
+    # (eval/discriminant_diff.py; "auto": where the model allows, else the
+    # projection; True: an error there; False: the projection, stop 59's
+    # rows; docs/efficacy.md, stop 60).
+    c.eval.discriminant = ml_collections.ConfigDict(
+        {"enabled": True, "max_drop": 0.5, "weights": "auto"}
+    )
     # Token-merge diffs built on the core after training and added to the
     # composition matrix (methods/token_merge.py; text encoders only): each
     # attribute's most telling tokens, in groups of counterparts (she / he),

@@ -85,6 +85,16 @@ flags.DEFINE_float(
     flag_values=FLAGS,
 )
 flags.DEFINE_bool(
+    "discriminant_weights",
+    None,
+    "Write each discriminant into a sparse diff of the core's last layer and "
+    "read the encoder with it added (eval/discriminant_diff.py); "
+    "--nodiscriminant_weights: the projection of the core's vectors. "
+    "Default: the run's config.eval.discriminant.weights, else 'auto' (the "
+    "diff where the model allows it).",
+    flag_values=FLAGS,
+)
+flags.DEFINE_bool(
     "token_merge",
     False,
     "Build a token-merge diff per attribute on the core (written to "
@@ -234,9 +244,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else None
             ),
             discriminant=(
-                _step_options(
-                    run_eval, "discriminant", max_drop=FLAGS.discriminant_max_drop
-                )
+                {
+                    "weights": "auto",
+                    **_step_options(
+                        run_eval,
+                        "discriminant",
+                        max_drop=FLAGS.discriminant_max_drop,
+                        weights=FLAGS.discriminant_weights,
+                    ),
+                }
                 if FLAGS.discriminant
                 else None
             ),

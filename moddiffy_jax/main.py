@@ -179,7 +179,8 @@ def format_results(results: dict) -> str:
             + (
                 "; core+discriminant(a): the CLS vector projected onto the "
                 "task's discriminant directions, penalized for attribute a "
-                "inside each task class (a post-hoc projection, like INLP)"
+                "inside each task class (written into a sparse diff of the "
+                "last layer where the model allows: eval/report.md says)"
                 if any(k.startswith("core+discriminant(") for k in leakage)
                 else ""
             )

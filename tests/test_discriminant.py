@@ -219,3 +219,17 @@ def test_a_fit_refuses_another_width(splits):
     fitted = fit(splits, penalties=(0.0,))
     with pytest.raises(ValueError, match="fitted on width 8"):
         fitted.apply(htr[:, :5])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"weights": "yes"}, "True .*False .*'auto'"),
+        ({"weights": True}, "pass core_params"),
+        ({"weights": "auto"}, "pass core_params"),
+    ],
+)
+def test_bad_weight_settings_are_refused(kwargs, match):
+    """Checked before anything is read (the context is not touched)."""
+    with pytest.raises(ValueError, match=match):
+        discriminant.discriminant_reps(None, None, None, {}, **kwargs)

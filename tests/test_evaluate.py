@@ -156,6 +156,54 @@ def test_discriminant_rows(run):
     assert "core+discriminant(a): the CLS vector" in main.format_results(whole)
 
 
+def test_discriminant_weight_rows(run):
+    """With weights, each discriminant row is the encoder with a sparse diff
+    of its last layer added (eval/discriminant_diff.py), read by the core's
+    own head; the diff is saved with the core's fingerprint and, loaded and
+    added again, gives the row's representations."""
+    import numpy as np
+
+    from moddiffy_jax.eval import discriminant_diff
+    from moddiffy_jax.subnets import diffs as diffs_lib
+
+    results = composition.evaluate_run(
+        run,
+        probe_config=FAST_PROBES,
+        inlp=False,
+        max_subset_size=0,
+        discriminant={"max_drop": 0.5, "weights": True},
+    )
+    rows = results["composition"]
+    art = composition.load_artifacts(run)
+    ctx = train.build_context(composition.load_run_config(run))
+    hidden = ctx.model.bert_config.hidden_size
+    inter = ctx.model.bert_config.intermediate_size
+    rep = composition.Representer(ctx, 64)
+    label = "core+discriminant(gender,age)"
+    info = rows[label]["discriminant"]["weights"]
+    assert len(info["kept_coordinates"]) == 1
+    assert info["entries"] <= 2 * hidden + inter + 1
+    assert 0 <= info["projection_test_accuracy"] <= 1
+    sd = diffs_lib.load_sparse_diff(
+        run / "eval" / "discriminant" / "gender,age.diff.safetensors",
+        base=art.core,
+    )
+    assert sd.nnz() == info["entries"]
+    h = rep.represent(diffs_lib.apply_diffs(art.core, [sd]), "test")
+    # Every coordinate but the kept one is constant; the row's task accuracy
+    # is the core head's on these vectors.
+    kept = info["kept_coordinates"][0]
+    held = np.delete(h, kept, axis=1)
+    np.testing.assert_allclose(held, np.broadcast_to(held[0], held.shape), atol=1e-5)
+    assert h[:, kept].std() > 0
+    acc = np.mean(rep.predict(art.head, h) == ctx.data.splits["test"].task)
+    assert rows[label]["test_task_acc"] == pytest.approx(acc, abs=1e-6)
+    assert discriminant_diff.problem(ctx.model) is None
+    report = (run / "eval" / "report.md").read_text()
+    assert "Each is written into a sparse diff of the core's last layer" in report
+    assert f"{label}: {info['entries']:,} entries" in report
+
+
 def test_weights_and_subset_size(run):
     results = composition.evaluate_run(
         run,

@@ -579,6 +579,7 @@ def evaluate_run(
                         core_reps,
                         save_dir=workdir / "eval" / "discriminant",
                         base_fingerprint=fingerprint(art.core),
+                        core_params=art.core,
                         **dict(discriminant),
                     ),
                 )

@@ -43,8 +43,9 @@ import numpy as np
 from safetensors import safe_open
 
 from moddiffy_jax._files import replace_safetensors
-from moddiffy_jax.eval import linear_probes, metrics, removal
+from moddiffy_jax.eval import discriminant_diff, linear_probes, metrics, removal
 from moddiffy_jax.eval.probe_inputs import check_splits
+from moddiffy_jax.subnets import diffs as diffs_lib
 
 __all__ = [
     "MAX_DROP",
@@ -463,13 +464,37 @@ def discriminant_reps(
     max_drop: float = MAX_DROP,
     save_dir: str | os.PathLike | None = None,
     base_fingerprint: str = "",
+    weights: bool | str = False,
+    core_params: Any = None,
 ) -> dict[str, tuple[dict[str, np.ndarray], Any, dict[str, Any]]]:
     """The rows ``core+discriminant(<attribute>)`` for each of the run's
     attributes and, for several, ``core+discriminant(<a>,<b>,...)`` for all
     together: ``{label: (reps by split, predict, info)}`` from the core's
     representations (``core_reps`` needs train and dev). With ``save_dir``,
     each fit is also written there as ``<a>[,<b>...].safetensors``
-    (:func:`save_discriminant`; ``info["file"]`` names it)."""
+    (:func:`save_discriminant`; ``info["file"]`` names it).
+
+    With ``weights`` True or ``"auto"`` (and the core's encoder params
+    ``core_params``), each
+    fit is written into a sparse diff of the encoder's last layer
+    (:mod:`moddiffy_jax.eval.discriminant_diff`) and the row is the encoder
+    with that diff added, read by the core's own head (``info["weights"]``:
+    entries, kept coordinates, the readout's train R^2, the projection's
+    test accuracy; with ``save_dir`` the diff is saved beside the fit as
+    ``<a>[,<b>...].diff.safetensors``). ``"auto"`` falls back to the
+    projection where the model cannot take the diff (``info["weights"]
+    ["skipped"]`` says why); True raises there."""
+    if weights not in (True, False, "auto"):
+        raise ValueError(
+            f"config.eval.discriminant.weights={weights!r}: True (write each "
+            "discriminant into a diff), False (the projection) or 'auto' (the "
+            "diff where the model allows it)."
+        )
+    if weights and core_params is None:
+        raise ValueError(
+            "discriminant_reps(weights=...) writes each fit into the core's "
+            "weights: pass core_params (the core's encoder params)."
+        )
     splits = ctx.data.splits
     task = {s: splits[s].task for s in ("train", "dev")}
     reference = float(
@@ -478,6 +503,13 @@ def discriminant_reps(
     groups = [(a,) for a in ctx.attributes]
     if len(ctx.attributes) > 1:
         groups.append(tuple(ctx.attributes))
+    writer, skipped = None, None
+    if weights is True:
+        writer = discriminant_diff.Writer(ctx, rep, head, core_params, core_reps)
+    elif weights == "auto":
+        writer, skipped = discriminant_diff.writer_or_reason(
+            ctx, rep, head, core_params, core_reps
+        )
     out = {}
     for group in groups:
         fit = fit_discriminant(
@@ -497,9 +529,33 @@ def discriminant_reps(
             path = Path(save_dir) / f"{','.join(group)}.safetensors"
             save_discriminant(path, fit, base_fingerprint=base_fingerprint)
             info["file"] = str(path)
-        out[f"core+discriminant({','.join(group)})"] = (
-            {s: fit.apply(h) for s, h in core_reps.items()},
-            fit.predict,
-            info,
-        )
+        label = f"core+discriminant({','.join(group)})"
+        if writer is None:
+            if skipped:
+                info["weights"] = {"skipped": skipped}
+            out[label] = (
+                {s: fit.apply(h) for s, h in core_reps.items()},
+                fit.predict,
+                info,
+            )
+            continue
+        written = writer.write(fit, ",".join(group), base_fingerprint)
+        reps = writer.represent(written.diff)
+        info["weights"] = {
+            **written.record,
+            "projection_test_accuracy": _accuracy(
+                fit.predict(fit.apply(core_reps["test"])), splits["test"].task
+            )
+            if "test" in core_reps
+            else None,
+        }
+        if save_dir is not None:
+            path = Path(save_dir) / f"{','.join(group)}.diff.safetensors"
+            diffs_lib.save_sparse_diff(path, written.diff, overwrite=True)
+            info["weights"]["file"] = str(path)
+        out[label] = (reps, writer.predict, info)
     return out
+
+
+def _accuracy(pred, gold) -> float:
+    return float(np.mean(np.asarray(pred) == np.asarray(gold)))

@@ -281,31 +281,63 @@ def _task_only_lines(rows: Mapping[str, Any]) -> list[str]:
 
 
 def _discriminant_lines(rows: Mapping[str, Any]) -> list[str]:
-    """What the discriminant rows are (eval/discriminant.py)."""
+    """What the discriminant rows are (eval/discriminant.py; written into
+    weights: eval/discriminant_diff.py)."""
     found = {k: r["discriminant"] for k, r in rows.items() if "discriminant" in r}
     if not found:
         return []
     first = next(iter(found.values()))
-    lines = [
-        "",
+    text = (
         f"`core+discriminant(...)`: the core's representation projected onto "
         f"{first['k']} task direction(s) (the task's classes less one) along "
         "which, inside each task class, the named attributes' groups sit "
         "together: Fisher's discriminant with the attributes' within-class "
-        "mean scatter as a penalty, read by a linear task head refit on train. "
-        "The penalty is the one whose dev leakage (a Gaussian-mixture reader) "
-        f"is closest to the floor, of those within {first['max_drop']:g} "
-        "points of the core's dev accuracy. A post-hoc projection like INLP, "
-        "not a weight diff; it keeps only the task, so it also lowers other "
-        "attributes. Chosen penalties: "
+        "mean scatter as a penalty. The penalty is the one whose dev leakage "
+        "(a Gaussian-mixture reader) is closest to the floor, of those within "
+        f"{first['max_drop']:g} points of the core's dev accuracy. It keeps "
+        "only the task, so it also lowers other attributes. Chosen penalties: "
         + "; ".join(
             f"{label} {d['penalty']:g} (dev {d['dev_accuracy']:.3f}, core "
             f"{d['reference_dev_accuracy']:.3f})"
             for label, d in found.items()
         )
-        + ".",
-    ]
-    return lines
+        + "."
+    )
+    weights = {k: d.get("weights", {}) for k, d in found.items()}
+    written = {k: w for k, w in weights.items() if "entries" in w}
+    skipped = [w["skipped"] for w in weights.values() if "skipped" in w]
+    if written:
+        text += (
+            " Each is written into a sparse diff of the core's last layer "
+            "(eval/discriminant_diff.py: the last LayerNorm holds every "
+            "coordinate but the kept ones at its train mean, and the kept ones "
+            "are read from the last FFN's activations by a ridge regression): "
+            "the row is the encoder with that diff added, read by the core's "
+            "own head; the diff is saved as "
+            "`eval/discriminant/<attributes>.diff.safetensors` with the core's "
+            "fingerprint. Each attribute set has a diff of its own: the single "
+            "diffs do not add up to the joint one. "
+            + "; ".join(
+                f"{label}: {w['entries']:,} entries, readout R^2 "
+                f"{w['readout_r2']:.3f} on train"
+                + (
+                    f", the projection's test accuracy "
+                    f"{w['projection_test_accuracy']:.3f}"
+                    if w.get("projection_test_accuracy") is not None
+                    else ""
+                )
+                for label, w in written.items()
+            )
+            + "."
+        )
+    else:
+        text += (
+            " A post-hoc projection of the core's vectors (like INLP), read by "
+            "a linear task head refit on train"
+            + (f" (not written into weights: {skipped[0]})" if skipped else "")
+            + "."
+        )
+    return ["", text]
 
 
 def _floor_note() -> str:
