@@ -202,6 +202,13 @@ def test_discriminant_weight_rows(run):
     report = (run / "eval" / "report.md").read_text()
     assert "Each is written into a sparse diff of the core's last layer" in report
     assert f"{label}: {info['entries']:,} entries" in report
+    # A larger train split is sampled for the readout (seeded).
+    core_reps = {s: rep.represent(art.core, s) for s in ("train", "dev")}
+    small = discriminant_diff.Writer(
+        ctx, rep, art.head, art.core, core_reps, max_rows=50
+    )
+    assert small.y.shape[0] == small.g.shape[0] == len(small.rows) == 50
+    assert len(set(small.rows.tolist())) == 50
 
 
 def test_weights_and_subset_size(run):

@@ -54,6 +54,8 @@ from moddiffy_jax.subnets.selection import flatten, unflatten
 LAYER_NORM = "encoder/layer_{last}/output/LayerNorm/{leaf}"
 #: Ridge of the readout, as a share of the activations' mean variance.
 L2 = 1e-4
+#: Most train rows the readout is fit on.
+MAX_ROWS = 20_000
 #: Fixed-point iterations of the LayerNorm inversion, and its tolerance.
 ITERATIONS = 100
 TOLERANCE = 1e-6
@@ -279,9 +281,21 @@ class Writer:
     """Writes discriminants fitted on one core into diffs of it, and reads
     the core with a diff added (``rep``: the run's
     :class:`~moddiffy_jax.eval.forward.Representer`; ``core_reps``: the
-    core's CLS vectors by split, train among them)."""
+    core's CLS vectors by split, train among them). The readout is fit on
+    at most ``max_rows`` train rows (a seeded sample of a larger split: the
+    activations are ``[rows, intermediate size]``)."""
 
-    def __init__(self, ctx: Any, rep: Any, head: Any, core_params: Any, core_reps):
+    def __init__(
+        self,
+        ctx: Any,
+        rep: Any,
+        head: Any,
+        core_params: Any,
+        core_reps,
+        *,
+        max_rows: int = MAX_ROWS,
+        seed: int = 0,
+    ):
         model = ctx.model
         why = problem(model)
         if why:
@@ -296,16 +310,24 @@ class Writer:
         self.kernel, self.bias = linear_head(
             lambda h: rep.head(head, h), self.config.hidden_size
         )
+        from moddiffy_jax.data.dataset import subset_split
+
+        split = ctx.data.splits["train"]
+        rows = np.arange(len(split.task))
+        if len(rows) > max_rows:
+            rows = np.sort(
+                np.random.default_rng(seed).choice(len(rows), max_rows, replace=False)
+            )
+            split = subset_split(split, rows)
+        self.rows = rows
         fn = erasure_refit.feature_fn(model)
-        self.y, self.g = erasure_refit.features(
-            fn, rep, core_params, ctx.data.splits["train"]
-        )
+        self.y, self.g = erasure_refit.features(fn, rep, core_params, split)
 
     def write(self, fit: Any, name: str, base_fingerprint: str) -> Written:
         return write_discriminant(
             fit,
             self.core,
-            self.core_reps["train"],
+            np.asarray(self.core_reps["train"])[self.rows],
             self.y,
             self.g,
             head_kernel=self.kernel,
