@@ -152,3 +152,27 @@ def test_a_model_without_a_bert_encoder_falls_back_with_a_reason():
     assert writer is None and "BERT encoder's last layer" in why
     with pytest.raises(ValueError, match="weights='auto' or False"):
         discriminant_diff.Writer(Ctx(), None, None, None, {})
+
+
+def test_a_discriminant_diff_is_not_added_beside_another():
+    """It rewrites the last LayerNorm, so a sum with another diff is refused
+    with the way out; alone it applies."""
+    from moddiffy_jax.subnets import diffs as diffs_lib
+
+    base = {"w": np.ones(4, np.float32)}
+    alone = diffs_lib.SparseDiff.from_dense(
+        {"w": np.array([0, -1, 0, 0], np.float32)},
+        name="gender",
+        info={"compose": "alone"},
+    )
+    other = diffs_lib.SparseDiff.from_dense(
+        {"w": np.array([1, 0, 0, 0], np.float32)}, name="age"
+    )
+    np.testing.assert_array_equal(
+        diffs_lib.apply_diffs(base, [alone])["w"], [1, 0, 1, 1]
+    )
+    np.testing.assert_array_equal(
+        diffs_lib.apply_diffs(base, [other, other])["w"], [3, 1, 1, 1]
+    )
+    with pytest.raises(ValueError, match=r"\['gender'\] are not added to others"):
+        diffs_lib.apply_diffs(base, [alone, other])

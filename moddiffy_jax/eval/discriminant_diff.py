@@ -249,7 +249,12 @@ def write_discriminant(
         name=name,
         base_fingerprint=base_fingerprint,
         rules=list(dense),
-        info={"method": "discriminant", "penalty": float(fit.penalty), **record},
+        info={
+            "method": "discriminant",
+            "compose": "alone",
+            "penalty": float(fit.penalty),
+            **record,
+        },
     )
     record["entries"] = int(sd.nnz())
     return Written(diff=sd, coordinates=coords, record=record)

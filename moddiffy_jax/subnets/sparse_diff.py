@@ -441,6 +441,7 @@ def apply_diffs(
     diffs = list(diffs)
     if weights is not None and len(weights) != len(diffs):
         raise ValueError(f"Got {len(weights)} weights for {len(diffs)} diffs.")
+    _check_alone(diffs)
     flat_base = flatten(base)
     updated: dict[str, jax.Array] = {}
     for k, diff in enumerate(diffs):
@@ -463,6 +464,23 @@ def apply_diffs(
     if not updated:
         return base
     return merge(base, unflatten(updated))
+
+
+def _check_alone(diffs: Sequence[SparseDiff]) -> None:
+    """A diff whose info says ``"compose": "alone"`` (it rewrites leaves
+    rather than adding to them: the discriminant's diff holds the last
+    LayerNorm's coordinates) is refused beside any other diff."""
+    if len(diffs) < 2:
+        return
+    alone = [d.name or "?" for d in diffs if d.info.get("compose") == "alone"]
+    if alone:
+        raise ValueError(
+            f"The diff(s) {alone} are not added to others: each rewrites the "
+            "leaves it touches (a discriminant diff holds the last LayerNorm's "
+            "coordinates), so two of them, or one beside another diff, do not "
+            "sum to a joint one. Apply the diff fitted for the whole set "
+            "(eval/discriminant/<a>,<b>.diff.safetensors) alone."
+        )
 
 
 def _check_shapes(diff: SparseDiff, flat_base: Mapping[str, Any]) -> None:
