@@ -56,11 +56,15 @@ Since stop 59 it has the attribute-penalized task discriminant's rows
 (eval.discriminant; moddiffy_jax/eval/discriminant.py): the core's CLS
 vector projected onto the task's C - 1 discriminant directions, penalized
 for each attribute's within-class mean shifts, the penalty chosen on dev.
-A post-hoc projection like INLP, not a weight diff; on the main job it
-closes 0.9 of gender's gap and all of age's under the linear and the
-converged MLP probe at 0.5 points, and on dwmw17's finetune core 0.78 of
-dialect's under the converged MLP at 0.8 points (docs/efficacy.md,
-"Stop 59").
+On the main job it closes 0.9 of gender's gap and all of age's under the
+linear and the converged MLP probe at 0.5 points, and on dwmw17's finetune
+core 0.78 of dialect's under the converged MLP at 0.8 points
+(docs/efficacy.md, "Stop 59"). Since stop 60 each is written into a
+sparse diff of the core's last layer (eval.discriminant.weights="auto";
+moddiffy_jax/eval/discriminant_diff.py; about 2,300 entries on MiniLM, a
+hundredth of a percent) and the row is the encoder with it added, read by
+the core's own head; the diffs are saved to eval/discriminant/ with the
+core's fingerprint. Each attribute set has its own diff (they do not add).
 Since stop 29 the main job also builds a token-merge diff per attribute on
 its core (eval.token_merge; docs/efficacy.md, "Stop 29"): on seed 0 they
 close 0.65 / 0.86 (attacker / linear) of gender's gap at -1.1 points and

@@ -19,8 +19,10 @@
   :mod:`moddiffy_jax.eval.discriminant`): ``core+discriminant(<attribute>)``
   per attribute and all attributes together, the core's CLS vector projected
   onto the task's ``C - 1`` discriminant directions penalized for each
-  attribute's within-class mean shifts (a post-hoc projection like INLP;
-  each fit saved to ``eval/discriminant/``).
+  attribute's within-class mean shifts; with ``weights`` written into a
+  sparse diff of the core's last layer (:mod:`moddiffy_jax.eval.discriminant_diff`)
+  and read from the encoder with it added; each fit and diff saved to
+  ``eval/discriminant/``).
 
 For each configuration: task accuracy, macro-F1, balanced accuracy and
 per-group fairness metrics (TPR gap RMS) of the run's own task head, and, for
