@@ -233,3 +233,61 @@ def test_bad_weight_settings_are_refused(kwargs, match):
     """Checked before anything is read (the context is not touched)."""
     with pytest.raises(ValueError, match=match):
         discriminant.discriminant_reps(None, None, None, {}, **kwargs)
+
+
+def test_sets_that_project_alike_share_one_diff_and_one_encoding(splits, monkeypatch):
+    """With weights, a set whose fit projects as an earlier one's (here every
+    set at penalty 0: Fisher's direction) reuses its diff and encoding."""
+    from types import SimpleNamespace
+
+    from moddiffy_jax.eval import discriminant_diff
+    from moddiffy_jax.subnets import diffs as diffs_lib
+
+    data = SimpleNamespace(
+        splits={
+            s: SimpleNamespace(task=t, attrs={"a": a, "b": a[::-1].copy()})
+            for s, (_, t, a) in splits.items()
+        },
+        task_classes=("x", "y"),
+        attr_classes={"a": (0, 1), "b": (0, 1)},
+    )
+    ctx = SimpleNamespace(data=data, attributes=("a", "b"))
+    rep = SimpleNamespace(predict=lambda head, h: (h[:, 0] > 0).astype(int))
+    encodings = []
+
+    class Writer:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def write(self, fit, name, fingerprint):
+            diff = diffs_lib.SparseDiff.from_dense(
+                {"w": np.ones(2, np.float32)}, name=name
+            )
+            return discriminant_diff.Written(diff, np.array([0]), {"entries": 2})
+
+        def represent(self, diff):
+            encodings.append(diff.name)
+            return {s: h for s, (h, _, _) in splits.items()}
+
+        def predict(self, h):
+            return np.zeros(len(h), int)
+
+    monkeypatch.setattr(discriminant_diff, "Writer", Writer)
+    rows = discriminant.discriminant_reps(
+        ctx,
+        rep,
+        None,
+        {s: h for s, (h, _, _) in splits.items()},
+        weights=True,
+        core_params={},
+        penalties=(0.0,),
+    )
+    assert list(rows) == [
+        "core+discriminant(a)",
+        "core+discriminant(b)",
+        "core+discriminant(a,b)",
+    ]
+    assert encodings == ["a"]
+    for label in list(rows)[1:]:
+        assert rows[label][2]["weights"]["same_as"] == "core+discriminant(a)"
+    assert "same_as" not in rows["core+discriminant(a)"][2]["weights"]

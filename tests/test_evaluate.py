@@ -202,6 +202,19 @@ def test_discriminant_weight_rows(run):
     report = (run / "eval" / "report.md").read_text()
     assert "Each is written into a sparse diff of the core's last layer" in report
     assert f"{label}: {info['entries']:,} entries" in report
+    # Sets whose fits project alike share one diff and one encoding.
+    from moddiffy_jax.eval import discriminant
+
+    saved = [
+        discriminant.load_discriminant(
+            run / "eval" / "discriminant" / f"{a}.safetensors"
+        )
+        for a in ("gender", "age")
+    ]
+    alike = discriminant._same_projection(*saved)
+    age = rows["core+discriminant(age)"]["discriminant"]["weights"]
+    assert age.get("same_as") == ("core+discriminant(gender)" if alike else None)
+    print("tiny run: gender and age project alike:", alike)
     # A larger train split is sampled for the readout (seeded).
     core_reps = {s: rep.represent(art.core, s) for s in ("train", "dev")}
     small = discriminant_diff.Writer(

@@ -466,6 +466,7 @@ def discriminant_reps(
     base_fingerprint: str = "",
     weights: bool | str = False,
     core_params: Any = None,
+    penalties: Sequence[float] = PENALTIES,
 ) -> dict[str, tuple[dict[str, np.ndarray], Any, dict[str, Any]]]:
     """The rows ``core+discriminant(<attribute>)`` for each of the run's
     attributes and, for several, ``core+discriminant(<a>,<b>,...)`` for all
@@ -483,7 +484,10 @@ def discriminant_reps(
     test accuracy; with ``save_dir`` the diff is saved beside the fit as
     ``<a>[,<b>...].diff.safetensors``). ``"auto"`` falls back to the
     projection where the model cannot take the diff (``info["weights"]
-    ["skipped"]`` says why); True raises there."""
+    ["skipped"]`` says why); True raises there. Sets whose fits project
+    alike (every set at penalty 0) share one diff and one encoding
+    (``info["weights"]["same_as"]``). ``penalties``: those tried
+    (:func:`fit_discriminant`)."""
     if weights not in (True, False, "auto"):
         raise ValueError(
             f"config.eval.discriminant.weights={weights!r}: True (write each "
@@ -503,7 +507,7 @@ def discriminant_reps(
     groups = [(a,) for a in ctx.attributes]
     if len(ctx.attributes) > 1:
         groups.append(tuple(ctx.attributes))
-    writer, skipped = None, None
+    writer, skipped, encoded = None, None, []
     if weights is True:
         writer = discriminant_diff.Writer(ctx, rep, head, core_params, core_reps)
     elif weights == "auto":
@@ -523,6 +527,7 @@ def discriminant_reps(
             num_attr_classes={a: len(ctx.data.attr_classes[a]) for a in group},
             reference_dev_accuracy=reference,
             max_drop=max_drop,
+            penalties=tuple(penalties),
         )
         info = {"max_drop": float(max_drop), **fit.summary()}
         if save_dir is not None:
@@ -539,10 +544,23 @@ def discriminant_reps(
                 info,
             )
             continue
-        written = writer.write(fit, ",".join(group), base_fingerprint)
-        reps = writer.represent(written.diff)
+        # Fits that project alike (the main job: penalty 0 for every set,
+        # Fisher's direction) share one diff and one encoding.
+        same = next((e for e in encoded if _same_projection(e[0], fit)), None)
+        if same is None:
+            written = writer.write(fit, ",".join(group), base_fingerprint)
+            reps = writer.represent(written.diff)
+            encoded.append((fit, written, reps, label))
+            shared = {}
+        else:
+            _, written, reps, first = same
+            written = dataclasses.replace(
+                written, diff=written.diff.replace(name=",".join(group))
+            )
+            shared = {"same_as": first}
         info["weights"] = {
             **written.record,
+            **shared,
             "projection_test_accuracy": _accuracy(
                 fit.predict(fit.apply(core_reps["test"])), splits["test"].task
             )
@@ -555,6 +573,13 @@ def discriminant_reps(
             info["weights"]["file"] = str(path)
         out[label] = (reps, writer.predict, info)
     return out
+
+
+def _same_projection(a: Discriminant, b: Discriminant) -> bool:
+    return all(
+        np.array_equal(getattr(a, f), getattr(b, f))
+        for f in ("mean", "directions", "scale", "kernel", "bias")
+    )
 
 
 def _accuracy(pred, gold) -> float:
