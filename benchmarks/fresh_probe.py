@@ -102,15 +102,18 @@ def export_run(run: Path, test_examples: int = 0) -> Path:
         **({} if max_drop is None else {"max_drop": max_drop}),
     )
     # The discriminant rows (eval/discriminant.py), likewise.
-    options = config.eval.get("discriminant")
-    max_drop = options.max_drop if options is not None else None
+    # Written into weights as the run's report writes them (default 'auto').
+    options = dict(config.eval.get("discriminant") or {})
+    options.pop("enabled", None)
+    options.setdefault("weights", "auto")
     built.update(
         discriminant.discriminant_reps(
             ctx,
             rep,
             art.head,
             {s: core[f"{s}_h"] for s in SPLITS},
-            **({} if max_drop is None else {"max_drop": max_drop}),
+            core_params=art.core,
+            **options,
         )
     )
     for label, (reps, predict, _) in built.items():
