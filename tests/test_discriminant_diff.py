@@ -176,3 +176,54 @@ def test_a_discriminant_diff_is_not_added_beside_another():
     )
     with pytest.raises(ValueError, match=r"\['gender'\] are not added to others"):
         diffs_lib.apply_diffs(base, [alone, other])
+
+
+def test_an_outlying_train_row_widens_the_kept_scale_instead_of_failing():
+    """A train row whose kept coordinates would need more than LayerNorm's
+    unit mean square allows (40 class-mean distances out) is met by a
+    larger scale, not an error; the others still decide as the projection."""
+    rng = np.random.default_rng(3)
+    width = 16
+    y_tr, t_tr, a_tr = _planted(600, rng, width)
+    y_tr[0] *= 40.0
+    scale, ln_bias = np.ones(width), np.zeros(width)
+    h_tr = normalised(y_tr, EPS)[0]
+    between = h_tr[t_tr == 1].mean(0) - h_tr[t_tr == 0].mean(0)
+    h_tr[0] = h_tr[1:].mean(0) + 40 * between
+    fit = discriminant.fit_discriminant(
+        h_tr.astype(np.float32),
+        t_tr,
+        h_tr.astype(np.float32),
+        t_tr,
+        {"a": a_tr},
+        {"a": a_tr},
+        num_classes=3,
+        num_attr_classes={"a": 2},
+        reference_dev_accuracy=0.0,
+        penalties=(0.0,),
+    )
+    core = {
+        "encoder": {
+            "layer_0": {
+                "output": {
+                    "LayerNorm": {"scale": scale, "bias": ln_bias},
+                    "dense": {
+                        "kernel": np.zeros((width, width), np.float32),
+                        "bias": np.zeros(width, np.float32),
+                    },
+                }
+            }
+        }
+    }
+    written = discriminant_diff.write_discriminant(
+        fit,
+        core,
+        h_tr.astype(np.float32),
+        y_tr,
+        y_tr,
+        head_kernel=rng.normal(size=(width, 3)),
+        head_bias=np.zeros(3),
+        num_layers=1,
+        layer_norm_eps=EPS,
+    )
+    assert written.diff.nnz() > 0

@@ -54,6 +54,8 @@ from moddiffy_jax.subnets.selection import flatten, unflatten
 LAYER_NORM = "encoder/layer_{last}/output/LayerNorm/{leaf}"
 #: Ridge of the readout, as a share of the activations' mean variance.
 L2 = 1e-4
+#: Share of LayerNorm's unit mean square the kept coordinates may take.
+ROOM = 0.25
 #: Most train rows the readout is fit on.
 MAX_ROWS = 20_000
 #: Fixed-point iterations of the LayerNorm inversion, and its tolerance.
@@ -216,6 +218,13 @@ def write_discriminant(
     kept = (logits - const) @ np.linalg.pinv(centred[coords])
     new_bias = kept.mean(0)
     new_scale = np.maximum(kept.std(0), 1e-12)
+    # LayerNorm's output has unit mean square: where a train row's kept
+    # coordinates would need more than a quarter of it, the scale grows
+    # instead (the CLS targets are unchanged).
+    room = np.sqrt(
+        np.max(np.sum(((kept - new_bias) / new_scale) ** 2, 1)) / (ROOM * len(scale))
+    )
+    new_scale = new_scale * max(1.0, float(room))
     target = (kept - new_bias) / new_scale
     u = solve_pre_layernorm(y, coords, target, layer_norm_eps)
     a, c = erasure_refit.fit_readout(g, u - np.asarray(y, np.float64)[:, coords], l2=l2)
