@@ -47,6 +47,35 @@ def test_linear_head():
         discriminant_diff.linear_head(lambda h: np.tanh(h @ w) + b, 5)
 
 
+def one_layer(scale, ln_bias, inter):
+    """The last layer's leaves the diff writes, of a one-layer encoder (its
+    FFN output zero: the tests give the pre-LayerNorm vectors directly)."""
+    width = len(scale)
+    dense = {
+        "kernel": np.zeros((inter, width), np.float32),
+        "bias": np.zeros(width, np.float32),
+    }
+    layer = {"output": {"LayerNorm": {"scale": scale, "bias": ln_bias}, "dense": dense}}
+    return {"encoder": {"layer_0": layer}}
+
+
+def fit_three_classes(train, dev, reference, penalties=discriminant.PENALTIES):
+    """The discriminant of attribute ``a`` on ``(h, task, attr)`` splits."""
+    (htr, ttr, atr), (hdv, tdv, adv) = train, dev
+    return discriminant.fit_discriminant(
+        htr.astype(np.float32),
+        ttr,
+        hdv.astype(np.float32),
+        tdv,
+        {"a": atr},
+        {"a": adv},
+        num_classes=3,
+        num_attr_classes={"a": 2},
+        reference_dev_accuracy=reference,
+        penalties=penalties,
+    )
+
+
 def _planted(n, rng, width=32):
     """Pre-LayerNorm vectors with a task (3 classes) and an attribute that
     shifts them inside each class along another direction."""
@@ -74,35 +103,13 @@ def test_write_discriminant_gives_the_projection_through_the_core_head():
 
     head_w, head_b = rng.normal(size=(width, classes)), rng.normal(size=classes)
     h_tr, h_dv = cls(y_tr), cls(y_dv)
-    fit = discriminant.fit_discriminant(
-        h_tr.astype(np.float32),
-        t_tr,
-        h_dv.astype(np.float32),
-        t_dv,
-        {"a": a_tr},
-        {"a": a_dv},
-        num_classes=classes,
-        num_attr_classes={"a": 2},
-        reference_dev_accuracy=0.5,
-    )
+    fit = fit_three_classes((h_tr, t_tr, a_tr), (h_dv, t_dv, a_dv), 0.5)
 
     def activations(y):
         return np.concatenate([y, normalised(y, EPS)[1][:, None]], 1)
 
     inter = width + 1
-    core = {
-        "encoder": {
-            "layer_0": {
-                "output": {
-                    "LayerNorm": {"scale": scale, "bias": ln_bias},
-                    "dense": {
-                        "kernel": np.zeros((inter, width), np.float32),
-                        "bias": np.zeros(width, np.float32),
-                    },
-                }
-            }
-        }
-    }
+    core = one_layer(scale, ln_bias, inter)
     written = discriminant_diff.write_discriminant(
         fit,
         core,
@@ -190,31 +197,8 @@ def test_an_outlying_train_row_widens_the_kept_scale_instead_of_failing():
     h_tr = normalised(y_tr, EPS)[0]
     between = h_tr[t_tr == 1].mean(0) - h_tr[t_tr == 0].mean(0)
     h_tr[0] = h_tr[1:].mean(0) + 40 * between
-    fit = discriminant.fit_discriminant(
-        h_tr.astype(np.float32),
-        t_tr,
-        h_tr.astype(np.float32),
-        t_tr,
-        {"a": a_tr},
-        {"a": a_tr},
-        num_classes=3,
-        num_attr_classes={"a": 2},
-        reference_dev_accuracy=0.0,
-        penalties=(0.0,),
-    )
-    core = {
-        "encoder": {
-            "layer_0": {
-                "output": {
-                    "LayerNorm": {"scale": scale, "bias": ln_bias},
-                    "dense": {
-                        "kernel": np.zeros((width, width), np.float32),
-                        "bias": np.zeros(width, np.float32),
-                    },
-                }
-            }
-        }
-    }
+    fit = fit_three_classes((h_tr, t_tr, a_tr), (h_tr, t_tr, a_tr), 0.0, (0.0,))
+    core = one_layer(scale, ln_bias, width)
     written = discriminant_diff.write_discriminant(
         fit,
         core,
