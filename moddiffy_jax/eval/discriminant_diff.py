@@ -227,9 +227,9 @@ def write_discriminant(
     new_scale = new_scale * max(1.0, float(room))
     target = (kept - new_bias) / new_scale
     u = solve_pre_layernorm(y, coords, target, layer_norm_eps)
-    a, c = erasure_refit.fit_readout(g, u - np.asarray(y, np.float64)[:, coords], l2=l2)
-    pred = np.asarray(g, np.float64) @ a + c
-    r2 = erasure_refit.r_squared(pred, u - np.asarray(y, np.float64)[:, coords])
+    change = u - np.asarray(y, np.float64)[:, coords]
+    a, c = erasure_refit.fit_readout(g, change, l2=l2)
+    r2 = erasure_refit.r_squared(np.asarray(g, np.float64) @ a + c, change)
     # Deltas.
     d_scale = -scale.copy()
     d_scale[coords] = new_scale - scale[coords]
