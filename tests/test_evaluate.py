@@ -476,3 +476,36 @@ def test_attackers_on_worker_threads_give_the_same_table(run):
     assert "core decision" in tables[0]
     for label, row in tables[0].items():
         assert tables[1][label]["leakage"] == row["leakage"], label
+
+
+def test_a_row_sharing_an_earlier_rows_diff_copies_its_readings(monkeypatch):
+    """The main job's three discriminant sets share one diff: probed once,
+    each row keeps its own info."""
+    probed = []
+
+    def fake_row(ctx, readout, head, reps, *args, **kwargs):
+        probed.append(reps)
+        return {"leakage": {"gender": {"linear": len(probed)}}}
+
+    monkeypatch.setattr(composition, "_row", fake_row)
+    built = {
+        "core+discriminant(gender)": ("a", None, {"kind": "discriminant"}),
+        "core+discriminant(age)": (
+            "a",
+            None,
+            {
+                "kind": "discriminant",
+                "weights": {"same_as": "core+discriminant(gender)"},
+            },
+        ),
+        "core+discriminant(x)": ("b", None, {"kind": "discriminant", "weights": {}}),
+    }
+    rows = composition._readout_rows(None, built, None, True, (), None, True, "d")
+    assert probed == ["a", "b"]
+    assert rows["core+discriminant(age)"]["leakage"] == {"gender": {"linear": 1}}
+    assert rows["core+discriminant(age)"]["d"]["weights"]["same_as"]
+    assert rows["core+discriminant(gender)"]["d"] == {"kind": "discriminant"}
+    assert rows["core+discriminant(x)"]["leakage"] == {"gender": {"linear": 2}}
+    # A copy, not the same object.
+    rows["core+discriminant(age)"]["leakage"]["gender"]["linear"] = 0
+    assert rows["core+discriminant(gender)"]["leakage"]["gender"]["linear"] == 1

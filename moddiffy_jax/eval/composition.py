@@ -46,6 +46,7 @@ callable, so the training loop can report them without the probes.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import dataclasses
 import json
 import math
@@ -341,10 +342,15 @@ def _readout_rows(
     """Rows whose representations and task readout are built from the core's
     (``built``: ``{label: (reps, predict, info)}``; no OOD sets); ``info``
     goes to ``row[key]``. The decision and discriminant rows have no
-    attacker reading (their few dimensions)."""
+    attacker reading (their few dimensions). A row whose ``info["weights"]
+    ["same_as"]`` names an earlier row (the same diff) copies its readings."""
     rows = {}
     for label, (reps, predict, info) in built.items():
         kind = info.get("kind")
+        same = info.get("weights", {}).get("same_as")
+        if same in rows:
+            rows[label] = {**copy.deepcopy(rows[same]), key: info}
+            continue
         row = _row(
             ctx,
             _Readout(predict),
