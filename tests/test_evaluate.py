@@ -1,8 +1,10 @@
 """The evaluate command on a tiny run: composition matrix, leakage, bad input."""
 
+import concurrent.futures
 import json
 import shutil
 
+import ml_collections
 import pytest
 
 from moddiffy_jax import evaluate, main, train
@@ -215,6 +217,22 @@ def test_discriminant_weight_rows(run):
     age = rows["core+discriminant(age)"]["discriminant"]["weights"]
     assert age.get("same_as") == ("core+discriminant(gender)" if alike else None)
     print("tiny run: gender and age project alike:", alike)
+    # Every set at penalty 0 (Fisher's direction, as on the main job): one
+    # diff, probed once, its readings in every row.
+    fisher = composition.evaluate_run(
+        run,
+        probe_config=FAST_PROBES,
+        inlp=False,
+        max_subset_size=0,
+        discriminant={"max_drop": 0.5, "weights": True, "penalties": (0.0,)},
+    )["composition"]
+    first = fisher["core+discriminant(gender)"]
+    for other in ("core+discriminant(age)", "core+discriminant(gender,age)"):
+        assert fisher[other]["discriminant"]["weights"]["same_as"] == (
+            "core+discriminant(gender)"
+        )
+        assert fisher[other]["leakage"] == first["leakage"]
+        assert fisher[other]["test_task_acc"] == first["test_task_acc"]
     # A larger train split is sampled for the readout (seeded).
     core_reps = {s: rep.represent(art.core, s) for s in ("train", "dev")}
     small = discriminant_diff.Writer(
@@ -335,9 +353,27 @@ def test_the_command_line_takes_the_runs_own_merge_and_strength_settings(
     assert seen["task_only"] == {"max_drop": 2.0}
     assert evaluate.main(argv[:2] + ["--notask_only"]) == 0
     assert seen["task_only"] is None
-    assert seen["discriminant"] == {"max_drop": section.discriminant.max_drop}
+    assert seen["discriminant"] == {
+        "max_drop": section.discriminant.max_drop,
+        "weights": section.discriminant.weights,
+    }
     assert evaluate.main(argv[:2] + ["--discriminant_max_drop=1"]) == 0
-    assert seen["discriminant"] == {"max_drop": 1.0}
+    assert seen["discriminant"] == {"max_drop": 1.0, "weights": "auto"}
+    assert evaluate.main(argv[:2] + ["--nodiscriminant_weights"]) == 0
+    assert seen["discriminant"]["weights"] is False
+    # A run written before the setting existed: 'auto'.
+    older = section.to_dict()
+    del older["discriminant"]["weights"]
+    monkeypatch.setattr(
+        composition,
+        "load_run_config",
+        lambda workdir: ml_collections.ConfigDict({"eval": older}),
+    )
+    assert evaluate.main(argv[:2]) == 0
+    assert seen["discriminant"] == {
+        "max_drop": section.discriminant.max_drop,
+        "weights": "auto",
+    }
     assert evaluate.main(argv[:2] + ["--nodiscriminant"]) == 0
     assert seen["discriminant"] is None
 
@@ -506,6 +542,13 @@ def test_a_row_sharing_an_earlier_rows_diff_copies_its_readings(monkeypatch):
     assert rows["core+discriminant(age)"]["d"]["weights"]["same_as"]
     assert rows["core+discriminant(gender)"]["d"] == {"kind": "discriminant"}
     assert rows["core+discriminant(x)"]["leakage"] == {"gender": {"linear": 2}}
-    # A copy, not the same object.
-    rows["core+discriminant(age)"]["leakage"]["gender"]["linear"] = 0
-    assert rows["core+discriminant(gender)"]["leakage"]["gender"]["linear"] == 1
+    # Its own leakage mapping (each row's futures are resolved in place).
+    first = rows["core+discriminant(gender)"]
+    assert rows["core+discriminant(age)"]["leakage"] is not first["leakage"]
+    future = concurrent.futures.Future()
+    first["leakage"]["gender"] = future
+    rows["core+discriminant(age)"]["leakage"]["gender"] = future
+    future.set_result({"linear": 3})
+    composition._resolve_leakage(rows)
+    assert rows["core+discriminant(age)"]["leakage"]["gender"] == {"linear": 3}
+    assert first["leakage"]["gender"] == {"linear": 3}

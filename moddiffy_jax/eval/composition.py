@@ -46,7 +46,6 @@ callable, so the training loop can report them without the probes.
 from __future__ import annotations
 
 import concurrent.futures
-import copy
 import dataclasses
 import json
 import math
@@ -349,7 +348,9 @@ def _readout_rows(
         kind = info.get("kind")
         same = info.get("weights", {}).get("same_as")
         if same in rows:
-            rows[label] = {**copy.deepcopy(rows[same]), key: info}
+            # The leakage entries may still be futures (resolved per row).
+            first = rows[same]
+            rows[label] = {**first, "leakage": dict(first["leakage"]), key: info}
             continue
         row = _row(
             ctx,
