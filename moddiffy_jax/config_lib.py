@@ -226,7 +226,10 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # once), K the smallest whose dev accuracy is within max_drop points
     # of the core's. A debiasing diff should be read
     # beside both (docs/efficacy.md, stop 58).
-    c.eval.task_only = ml_collections.ConfigDict({"enabled": True, "max_drop": 0.5})
+    # bottleneck=False keeps the decision row alone (the main job: its time).
+    c.eval.task_only = ml_collections.ConfigDict(
+        {"enabled": True, "max_drop": 0.5, "bottleneck": True}
+    )
     # The attribute-penalized task discriminant (eval/discriminant.py): the
     # core's representation projected onto C - 1 task directions along which
     # each attribute's groups sit together inside every task class; the

@@ -62,6 +62,14 @@ flags.DEFINE_bool(
     "probed) and the smallest task bottleneck (eval/bottleneck.py).",
     flag_values=FLAGS,
 )
+flags.DEFINE_bool(
+    "bottleneck",
+    None,
+    "With the task-only rows, add the task bottleneck's row (--nobottleneck: "
+    "the core's decision alone). Default: the run's "
+    "config.eval.task_only.bottleneck, else on.",
+    flag_values=FLAGS,
+)
 flags.DEFINE_float(
     "task_only_max_drop",
     None,
@@ -239,7 +247,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else None
             ),
             task_only=(
-                _step_options(run_eval, "task_only", max_drop=FLAGS.task_only_max_drop)
+                _step_options(
+                    run_eval,
+                    "task_only",
+                    max_drop=FLAGS.task_only_max_drop,
+                    bottleneck=FLAGS.bottleneck,
+                )
                 if FLAGS.task_only
                 else None
             ),

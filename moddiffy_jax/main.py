@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -192,7 +194,7 @@ def format_results(results: dict) -> str:
         )
     lines.append(f"core params: {results['core_params']:,}")
     if "wall_time_s" in results:
-        lines.append(f"wall time: {results['wall_time_s']:.0f} s")
+        lines.append(f"wall time: {results['wall_time_s']:.0f} s{_time_split(results)}")
     if "eval_report" in results:
         lines.append(f"full report: {results['eval_report']}")
     return "\n".join(lines)
@@ -423,3 +425,24 @@ def main(argv):
 
 if __name__ == "__main__":
     app.run(main, flags_parser=parse_flags)
+
+
+def _time_split(results: Mapping[str, Any]) -> str:
+    """Where the wall time went (results "timings", runs since stop 61):
+    " (setup 40 s, training 500 s (first steps 110 s), export and table
+    60 s, report 300 s)": each phase's first step holds its compile; empty
+    for older runs."""
+    timings = results.get("timings")
+    if not timings:
+        return ""
+    phases = timings.get("phases", {}).values()
+    parts = [f"setup {timings['setup_s']:.0f} s"]
+    if phases:
+        steps = sum(p.get("seconds", 0.0) for p in phases)
+        compiling = sum(p.get("first_step_s", 0.0) for p in phases)
+        parts.append(f"training {steps:.0f} s (first steps {compiling:.0f} s)")
+    if "export_and_table_s" in timings:
+        parts.append(f"export and table {timings['export_and_table_s']:.0f} s")
+    if "report_s" in timings:
+        parts.append(f"report {timings['report_s']:.0f} s")
+    return " (" + ", ".join(parts) + ")"

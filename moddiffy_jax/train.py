@@ -255,6 +255,9 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     reread_at = swap_reread.read_step(ctx, total_steps)  # method.swap_reread_at
     progress = progress_bar(config, total_steps, global_step)
     logger = _Logger(ctx, writer, ckpt, workdir, progress)
+    # Where the wall time goes (results.json "timings"): the setup, each
+    # phase (its first step holds the compile) and the end-of-run work.
+    timings: dict[str, Any] = {"setup_s": time.time() - wall_start, "phases": {}}
     try:
         for pi in range(phase_index, len(phases)):
             phase = phases[pi]
@@ -281,9 +284,15 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
                 ahead = None
             ahead_asked = False
             logger.restart(global_step)
+            phase_start, first_step = time.time(), phase_step < n_steps
             while phase_step < n_steps:
                 batch = parallel.shard_batch(next(iterator), ctx.mesh)
                 state, metrics = step_fn(state, frozen, batch, step_rng)
+                if first_step:  # the call compiles (then dispatches)
+                    first_step = False
+                    timings["phases"][phase] = {
+                        "first_step_s": time.time() - phase_start
+                    }
                 logger.pending.append(metrics)
                 phase_step += 1
                 global_step += 1
@@ -368,6 +377,8 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
             else:
                 trainable = jax.device_get(state.trainable)
             frozen = jax.device_get(frozen)
+            if phase in timings["phases"]:
+                timings["phases"][phase]["seconds"] = time.time() - phase_start
             if pi + 1 < len(phases):
                 next_phase = phases[pi + 1]
                 trainable, frozen = method.transition(
@@ -406,9 +417,11 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     trainable, frozen, finished = method.finish(ctx, trainable, frozen, phases[-1])
     # The table's representations, which the leakage probes below reuse.
     reps = {} if config.eval.leakage and jax.process_index() == 0 else None
+    table_start = time.time()
     results = export_and_evaluate(
         ctx, evaluator, workdir, trainable, frozen, phases[-1], reps
     )
+    timings["export_and_table_s"] = time.time() - table_start
     if removal.TASK_GUARD in trainable:  # config.method.task_guard: where it ended
         results["task_guard"] = guard_summary(ctx.debias, trainable[removal.TASK_GUARD])
     if finished is not None:  # Method.finish (the diffs' erasure refit)
@@ -430,9 +443,12 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
         results["objective_choice"] = ctx.objective_choice
     results["train_wall_time_s"] = time.time() - wall_start
     if config.eval.leakage and jax.process_index() == 0:
+        report_start = time.time()
         results.update(_leakage(config, workdir, results, ctx.attributes, reps))
+        timings["report_s"] = time.time() - report_start
     del reps
     results["wall_time_s"] = time.time() - wall_start
+    results["timings"] = timings
     if jax.process_index() == 0:
         checkpoints.write_json_atomic(workdir / "results.json", results)
     if jax.process_count() > 1:
@@ -635,6 +651,7 @@ def _leakage(
                 k: row[k] for k in ("dev_task_acc", "test_task_acc")
             }
     return {
+        "report_timings": evaluation.get("timings", {}),
         "leakage": {
             label: {a: row["leakage"][a] for a in attributes}
             for label, row in evaluation["composition"].items()

@@ -23,6 +23,9 @@ def run(tmp_path_factory):
 
 def test_composition_matrix(run):
     results = composition.evaluate_run(run, probe_config=FAST_PROBES)
+    stages = results["timings"]  # this thread's stages, then the probes' wait
+    assert list(stages) == ["compositions_s", "inlp_s", "probes_wait_s"]
+    assert 0 < sum(stages.values()) <= results["wall_time_s"]
     rows = results["composition"]
     assert list(rows) == [
         "core",
@@ -63,6 +66,27 @@ def test_composition_matrix(run):
     trained = json.loads((run / "results.json").read_text())["composition"]
     assert rows["core"]["test_task_acc"] == pytest.approx(
         trained["core"]["test_task_acc"]
+    )
+
+
+def test_the_run_says_where_its_time_went(run):
+    """results.json "timings": the setup, each phase (its first step, which
+    compiles), the export and table, the report and its stages; the summary
+    line prints them."""
+    results = json.loads((run / "results.json").read_text())
+    timings = results["timings"]
+    assert set(timings["phases"]) == set(results["phase_steps"])
+    for phase in timings["phases"].values():
+        assert 0 < phase["first_step_s"] <= phase["seconds"]
+    parts = [timings["setup_s"], timings["export_and_table_s"]]
+    parts += [p["seconds"] for p in timings["phases"].values()]
+    # This tiny run has no report (eval.leakage off); a main job's has.
+    assert ("report_s" in timings) == ("leakage" in results)
+    parts += [timings["report_s"]] if "report_s" in timings else []
+    assert all(x > 0 for x in parts)
+    assert sum(parts) <= results["wall_time_s"]
+    assert f"wall time: {results['wall_time_s']:.0f} s (setup " in (
+        main.format_results(results)
     )
 
 
@@ -108,6 +132,26 @@ def test_task_only_rows(run):
     whole["leakage"] = {label: row["leakage"] for label, row in rows.items()}
     printed = main.format_results(whole)
     assert "core+bottleneck" in printed and "core decision: the core head's" in printed
+
+
+def test_the_decision_row_without_the_bottleneck(run, monkeypatch):
+    """task_only={"bottleneck": False} (the main job) keeps the decision row
+    and never fits the bottleneck."""
+    from moddiffy_jax.eval import bottleneck
+
+    def no_fit(*args, **kwargs):
+        raise AssertionError("the bottleneck was fitted")
+
+    monkeypatch.setattr(bottleneck, "fit_bottleneck", no_fit)
+    rows = composition.evaluate_run(
+        run,
+        probe_config=FAST_PROBES,
+        inlp=False,
+        mlp=False,
+        task_only={"bottleneck": False},
+    )["composition"]
+    assert "core decision" in rows and "core+bottleneck" not in rows
+    assert rows["core decision"]["test_task_acc"] == rows["core"]["test_task_acc"]
 
 
 def test_discriminant_rows(run):
@@ -345,12 +389,17 @@ def test_the_command_line_takes_the_runs_own_merge_and_strength_settings(
     assert seen["strength"] == {
         k: v for k, v in section.strength.items() if k != "enabled"
     }
-    assert seen["task_only"] == {"max_drop": section.task_only.max_drop}
+    assert seen["task_only"] == {
+        "max_drop": section.task_only.max_drop,
+        "bottleneck": section.task_only.bottleneck,
+    }
+    assert evaluate.main(argv[:2] + ["--nobottleneck"]) == 0
+    assert seen["task_only"]["bottleneck"] is False
     assert evaluate.main(argv[:3] + ["--token_merge_max_drop=0.25"]) == 0
     assert seen["token_merge"] == {**merge, "max_drop": 0.25}
     assert seen["strength"] is None
     assert evaluate.main(argv[:2] + ["--task_only_max_drop=2"]) == 0
-    assert seen["task_only"] == {"max_drop": 2.0}
+    assert seen["task_only"]["max_drop"] == 2.0
     assert evaluate.main(argv[:2] + ["--notask_only"]) == 0
     assert seen["task_only"] is None
     assert seen["discriminant"] == {

@@ -255,18 +255,29 @@ def decision_reps(
 
 
 def task_only_reps(
-    ctx, rep, head, core_reps, *, max_drop: float = MAX_DROP
+    ctx, rep, head, core_reps, *, max_drop: float = MAX_DROP, bottleneck: bool = True
 ) -> dict[str, tuple[dict[str, np.ndarray], Callable, dict[str, Any]]]:
     """The task-only references' representations, from the core's:
     ``{"core decision" | "core+bottleneck": (reps by split, predict, info)}``
     (``predict(h) -> int [N]``: the row's task readout; ``info``: what the
-    row is, for results.json). ``core_reps`` needs train and dev."""
+    row is, for results.json). ``core_reps`` needs train and dev.
+    ``bottleneck=False`` leaves the bottleneck out (its fit and its probes:
+    the main job's time budget), the decision row stays."""
 
     def logits_of(h):
         return rep.head(head, jnp.asarray(h, jnp.float32))
 
     task = {s: ctx.data.splits[s].task for s in ("train", "dev")}
     decision = decision_reps(logits_of, core_reps)
+    rows = {
+        "core decision": (
+            decision,
+            lambda h: np.argmax(h, -1),
+            {"kind": "decision", "width": int(decision["train"].shape[1])},
+        )
+    }
+    if not bottleneck:
+        return rows
     fit = fit_bottleneck(
         logits_of,
         core_reps["train"],
@@ -279,15 +290,9 @@ def task_only_reps(
         ),
         max_drop=max_drop,
     )
-    return {
-        "core decision": (
-            decision,
-            lambda h: np.argmax(h, -1),
-            {"kind": "decision", "width": int(decision["train"].shape[1])},
-        ),
-        "core+bottleneck": (
-            {s: fit.apply(h) for s, h in core_reps.items()},
-            fit.predict,
-            {"kind": "bottleneck", "max_drop": float(max_drop), **fit.summary()},
-        ),
-    }
+    rows["core+bottleneck"] = (
+        {s: fit.apply(h) for s, h in core_reps.items()},
+        fit.predict,
+        {"kind": "bottleneck", "max_drop": float(max_drop), **fit.summary()},
+    )
+    return rows

@@ -509,6 +509,18 @@ def evaluate_run(
             mlp,
         )
 
+    # Where the time goes on this thread (results "timings"); the probes
+    # train meanwhile on the pool, and "probes_wait_s" is what is left of
+    # them at the end.
+    timings: dict[str, float] = {}
+    mark = time.time()
+
+    def lap(name: str) -> None:
+        nonlocal mark
+        now = time.time()
+        timings[name] = timings.get(name, 0.0) + now - mark
+        mark = now
+
     try:
         core_reps = core_ood_reps = None
         for label, subset, params in compositions(
@@ -538,6 +550,7 @@ def evaluate_run(
                 core_reps, core_ood_reps = reps, ood_reps
             logging.info("Evaluating %s", label)
             rows[label] = row_of(reps, ood_reps)
+        lap("compositions_s")
         if inlp:
             for attr in ctx.attributes:
                 y = {s: ctx.data.splits[s].attrs[attr] for s in SPLITS}
@@ -565,6 +578,7 @@ def evaluate_run(
                     "directions_removed": int(fit.num_removed),
                 }
                 rows[f"core+INLP({attr})"] = row
+            lap("inlp_s")
         # Rows read from the core's representations through their own task
         # readouts: the task-only references and the discriminants.
         readouts = []
@@ -599,6 +613,7 @@ def evaluate_run(
                     ctx, build(), probe_config, linear, eval_splits, pool, mlp, key
                 )
             )
+            lap(f"{key}_s")
         if token_merge is not None and ctx.attributes:
             merges = _merge_rows(
                 ctx,
@@ -611,7 +626,9 @@ def evaluate_run(
                 rows,
                 row_of,  # no OOD sets for the merge rows
             )
+            lap("token_merge_s")
         _resolve_leakage(rows)
+        lap("probes_wait_s")
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -653,6 +670,7 @@ def evaluate_run(
             else {}
         ),
         "wall_time_s": time.time() - start,
+        "timings": timings,
     }
     out_dir = workdir / "eval"
     checkpoints.write_json_atomic(out_dir / "results.json", _jsonable(results))
