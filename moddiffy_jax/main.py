@@ -105,6 +105,27 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, OSError, RunLocked, FloatingPointError)
 
 
+def _time_split(results: Mapping[str, Any]) -> str:
+    """Where the wall time went (results "timings", runs since stop 61):
+    " (setup 40 s, training 500 s (first steps 110 s), export and table
+    60 s, report 300 s)": each phase's first step holds its compile; empty
+    for older runs."""
+    timings = results.get("timings")
+    if not timings:
+        return ""
+    phases = timings.get("phases", {}).values()
+    parts = [f"setup {timings['setup_s']:.0f} s"]
+    if phases:
+        steps = sum(p.get("seconds", 0.0) for p in phases)
+        compiling = sum(p.get("first_step_s", 0.0) for p in phases)
+        parts.append(f"training {steps:.0f} s (first steps {compiling:.0f} s)")
+    if "export_and_table_s" in timings:
+        parts.append(f"export and table {timings['export_and_table_s']:.0f} s")
+    if "report_s" in timings:
+        parts.append(f"report {timings['report_s']:.0f} s")
+    return " (" + ", ".join(parts) + ")"
+
+
 def format_results(results: dict) -> str:
     """A plain-text table of a run's final results."""
     lines = []
@@ -425,24 +446,3 @@ def main(argv):
 
 if __name__ == "__main__":
     app.run(main, flags_parser=parse_flags)
-
-
-def _time_split(results: Mapping[str, Any]) -> str:
-    """Where the wall time went (results "timings", runs since stop 61):
-    " (setup 40 s, training 500 s (first steps 110 s), export and table
-    60 s, report 300 s)": each phase's first step holds its compile; empty
-    for older runs."""
-    timings = results.get("timings")
-    if not timings:
-        return ""
-    phases = timings.get("phases", {}).values()
-    parts = [f"setup {timings['setup_s']:.0f} s"]
-    if phases:
-        steps = sum(p.get("seconds", 0.0) for p in phases)
-        compiling = sum(p.get("first_step_s", 0.0) for p in phases)
-        parts.append(f"training {steps:.0f} s (first steps {compiling:.0f} s)")
-    if "export_and_table_s" in timings:
-        parts.append(f"export and table {timings['export_and_table_s']:.0f} s")
-    if "report_s" in timings:
-        parts.append(f"report {timings['report_s']:.0f} s")
-    return " (" + ", ".join(parts) + ")"

@@ -43,8 +43,12 @@ def test_linear_head():
     kernel, bias = discriminant_diff.linear_head(lambda h: h @ w + b, 5)
     np.testing.assert_allclose(kernel, w, atol=1e-6)
     np.testing.assert_allclose(bias, b, atol=1e-6)
-    with pytest.raises(ValueError, match="task_hidden"):
+    with pytest.raises(ValueError, match="task_hidden") as raised:
         discriminant_diff.linear_head(lambda h: np.tanh(h @ w) + b, 5)
+    # The reason "auto" reports stands without the fix the error adds.
+    assert "nodiscriminant_weights" in str(raised.value)
+    assert "task_hidden" in raised.value.reason
+    assert "Set " not in raised.value.reason
 
 
 def one_layer(scale, ln_bias, inter):

@@ -284,6 +284,15 @@ def test_discriminant_weight_rows(run):
     )
     assert small.y.shape[0] == small.g.shape[0] == len(small.rows) == 50
     assert len(set(small.rows.tolist())) == 50
+    # Evaluated again without weights, the earlier diffs are not left beside
+    # the new fits (they would not be this report's rows).
+    saved = run / "eval" / "discriminant"
+    assert (saved / "gender,age.diff.safetensors").exists()
+    discriminant.discriminant_reps(
+        ctx, rep, art.head, core_reps, save_dir=saved, weights=False
+    )
+    assert (saved / "gender,age.safetensors").exists()
+    assert not list(saved.glob("*.diff.safetensors"))
 
 
 def test_weights_and_subset_size(run):

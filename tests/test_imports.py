@@ -107,3 +107,28 @@ def test_every_module_imports_in_any_order(order):
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _is_main_guard(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return (
+        isinstance(node, ast.If)
+        and isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == "__name__"
+    )
+
+
+@pytest.mark.parametrize("folder", ["moddiffy_jax", "benchmarks"])
+def test_the_main_guard_comes_last(folder):
+    """A script's ``if __name__ == "__main__":`` is its last statement: a
+    function defined below it does not exist yet when the script runs (stop
+    61: the main job's summary called one and failed at its very end, while
+    every test that imports the module passed)."""
+    late = []
+    for path in sorted((PACKAGE.parent / folder).rglob("*.py")):
+        body = ast.parse(path.read_text()).body
+        guards = [i for i, node in enumerate(body) if _is_main_guard(node)]
+        if guards and guards[-1] != len(body) - 1:
+            late.append(str(path.relative_to(PACKAGE.parent)))
+    assert not late, f"statements after the main guard in {late}"

@@ -538,6 +538,10 @@ def discriminant_reps(
         if writer is None:
             if skipped:
                 info["weights"] = {"skipped": skipped}
+            if save_dir is not None:  # an earlier evaluation's diff is not this row's
+                Path(save_dir, f"{','.join(group)}.diff.safetensors").unlink(
+                    missing_ok=True
+                )
             out[label] = (
                 {s: fit.apply(h) for s, h in core_reps.items()},
                 fit.predict,

@@ -76,6 +76,16 @@ def paths(num_layers: int) -> dict[str, str]:
     }
 
 
+class NotWritable(ValueError):
+    """The model cannot take the discriminant's diff: ``reason`` says why
+    (what ``weights="auto"`` reports beside its projection rows), the
+    message adds the fix."""
+
+    def __init__(self, reason: str, fix: str):
+        super().__init__(f"{reason}. {fix}")
+        self.reason = reason
+
+
 def linear_head(
     logits_of: Callable[[np.ndarray], np.ndarray], width: int, *, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -88,12 +98,12 @@ def linear_head(
     got = np.asarray(logits_of(probe), np.float64)
     want = probe @ kernel + bias
     if not np.allclose(got, want, rtol=1e-3, atol=1e-3 * (1 + np.abs(want).max())):
-        raise ValueError(
+        raise NotWritable(
             "The discriminant's weight diff keeps the core's task head, which "
             "must be linear in the CLS vector; this head is not (a hidden "
-            "layer: config.model.task_hidden > 0). Set "
-            "config.eval.discriminant.weights=False (or evaluate "
-            "--nodiscriminant_weights) for the projection rows."
+            "layer: config.model.task_hidden > 0)",
+            "Set config.eval.discriminant.weights=False (or evaluate "
+            "--nodiscriminant_weights) for the projection rows.",
         )
     return kernel, bias
 
@@ -287,8 +297,10 @@ def writer_or_reason(ctx: Any, rep: Any, head: Any, core_params: Any, core_reps)
         return None, why
     try:
         return Writer(ctx, rep, head, core_params, core_reps), None
+    except NotWritable as e:  # the reason, without the fix for weights=True
+        return None, e.reason
     except ValueError as e:
-        return None, str(e).split(". Set ")[0]
+        return None, str(e)
 
 
 class Writer:
