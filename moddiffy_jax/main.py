@@ -186,7 +186,12 @@ def format_results(results: dict) -> str:
         lines.append(
             "leakage: test balanced accuracy of fresh attacker probe ensembles on "
             f"frozen CLS representations, {metric} "
-            "(mean ± std over probe seeds; lin: a class-balanced linear probe; "
+            + (
+                "(one probe seed: one ensemble; "
+                if len(results.get("probe_seeds", (0, 1))) == 1
+                else "(mean ± std over probe seeds; "
+            )
+            + "lin: a class-balanced linear probe; "
             + ("mlp: an MLP probe trained to convergence; " if has_mlp else "")
             + "lower is better). floor: what the gold task "
             "label alone gives; INLP rows use the task head on projected "

@@ -658,6 +658,7 @@ def _leakage(
         },
         "floors": evaluation.get("floors", {}),
         "probe_whiten": probe_config.whiten,
+        "probe_seeds": list(probe_config.seeds),
         "eval_report": str(workdir / "eval" / "report.md"),
     }
 

@@ -60,6 +60,9 @@ def test_composition_matrix(run):
     printed = main.format_results(whole)
     assert "whitened with the train split's covariance" in printed
     assert "gender mlp" in printed and "mlp: an MLP probe" in printed
+    assert "(mean ± std over probe seeds;" in printed  # no "probe_seeds": 3
+    whole["probe_seeds"] = [0]  # the main job's one attacker seed
+    assert "(one probe seed: one ensemble;" in main.format_results(whole)
     del whole["probe_whiten"]  # a run from before the whitened attacker
     assert "standardized per feature" in main.format_results(whole)
     # The task accuracy of the core matches the training run's own table.
