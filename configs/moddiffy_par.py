@@ -78,6 +78,10 @@ attribute-samples. Since stop 33 a merge takes whole groups of
 counterparts (she + he; order "counterparts") within the main job's
 2-point bar (max_drop 2, cost_z 1.64): 12 of 14 attribute-runs over
 data.seed 0-4 and training seeds 0-2; about 13 min on a fresh clone.
+Since stop 61 the report leaves out the token merges and the task
+bottleneck and probes with one attacker seed, for README command 1's
+15-minute budget (docs/efficacy.md, "Stop 61"); the flags in get_config
+bring them back.
 """
 
 from moddiffy_jax.config_lib import experiment_config
