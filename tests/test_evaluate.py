@@ -52,6 +52,9 @@ def test_composition_matrix(run):
     report = (run / "eval" / "report.md").read_text()
     assert "SYNTHETIC" in report and "core+gender+age" in report
     assert "whitened with the train split's statistics" in report
+    assert "mean ± std over seeds (0, 1)" in report
+    one_seed = {**results, "probe_config": {**results["probe_config"], "seeds": [0]}}
+    assert "2 probes, one seed, 0)" in composition.format_report(one_seed)
     assert "| gender mlp |" in report and "gender gap closed (mlp)" in report
     # The run's printed table says which metric its attackers read.
     whole = json.loads((run / "results.json").read_text())

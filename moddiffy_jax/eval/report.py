@@ -92,7 +92,12 @@ def format_report(results: Mapping[str, Any]) -> str:
         "Task metrics use the run's task head. Leakage is the balanced accuracy of "
         f"attacker probes on frozen CLS representations, {metric} with the train "
         f"split's statistics (test split; ensemble of {probe['members']} probes, "
-        f"mean ± std over seeds {tuple(probe['seeds'])}); lower is better, chance "
+        + (
+            f"one seed, {probe['seeds'][0]}"
+            if len(probe["seeds"]) == 1
+            else f"mean ± std over seeds {tuple(probe['seeds'])}"
+        )
+        + "); lower is better, chance "
         "is 1/#classes. `lin` is a linear probe"
         + (
             "; `mlp` an MLP probe trained to convergence (150 epochs, read at "
