@@ -16,6 +16,7 @@ as JSON lines to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -120,10 +121,7 @@ def run_one(
     (``jax.jit(..., compiler_options=...)``; some, such as
     ``xla_gpu_command_buffer_update_mode``, are not ``XLA_FLAGS`` flags).
     """
-    import resource
-
     import jax
-    import numpy as np
 
     from moddiffy_jax import train
     from moddiffy_jax.config_lib import experiment_config
@@ -182,6 +180,66 @@ def run_one(
     state, metrics = step(state, frozen, next(it), rng)
     jax.block_until_ready(metrics)
     compile_s = time.perf_counter() - t0
+    row = {
+        "method": method,
+        "model": model,
+        "batch": batch,
+        "length": length,
+        "dtype": dtype,
+        "objective": str(config.method.get("objective", "")),
+        "step_jit": step_jit,
+        "scan_layers": scan_layers,
+        "attention": attention,
+        "attention_dropout": attention_dropout,
+        "compiler_options": compiler_options or {},
+        "substeps": [s.name for s in substeps],
+        "compile_s": round(compile_s, 2),
+        # Set when other processes compiled at the same time (device_turn).
+        "compiled_beside": os.environ.get("BENCH_TURN", ""),
+    }
+    with device_turn():
+        return row | _timed(ctx, config, step, state, frozen, it, rng, steps, trace_dir)
+
+
+@contextlib.contextmanager
+def device_turn():
+    """Waits for this process's turn on a device shared with others.
+
+    With ``BENCH_TURN=DIR,N`` (gpu_lease.sh's PAIR: N processes compile at
+    once, each its own variant), a process that has compiled marks it in DIR
+    and waits until all N have (or 300 s), so no timed step runs beside
+    another's compile on the host; then the processes time their steps one
+    at a time under a lock in DIR. Without it, nothing waits.
+    """
+    spec = os.environ.get("BENCH_TURN", "")
+    if not spec:
+        yield
+        return
+    import fcntl
+
+    folder, n = spec.rsplit(",", 1)
+    os.makedirs(folder, exist_ok=True)
+    open(os.path.join(folder, f"compiled.{os.getpid()}"), "w").close()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if sum(f.startswith("compiled.") for f in os.listdir(folder)) >= int(n):
+            break
+        time.sleep(1)
+    with open(os.path.join(folder, "lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _timed(ctx, config, step, state, frozen, it, rng, steps, trace_dir) -> dict:
+    """The timed steps of :func:`run_one`, after its compile."""
+    import resource
+
+    import jax
+    import numpy as np
+
     times = []
     for _ in range(steps):
         b = next(it)
@@ -208,25 +266,12 @@ def run_one(
             jax.block_until_ready((state, metrics))
     n_params = sum(int(np.size(x)) for x in jax.tree.leaves(ctx.pretrained))
     return {
-        "method": method,
-        "model": model,
         "params": n_params,
-        "batch": batch,
-        "length": length,
-        "dtype": dtype,
-        "objective": str(config.method.get("objective", "")),
-        "step_jit": step_jit,
-        "scan_layers": scan_layers,
-        "attention": attention,
-        "attention_dropout": attention_dropout,
-        "compiler_options": compiler_options or {},
-        "substeps": [s.name for s in substeps],
-        "compile_s": round(compile_s, 2),
         "step_s_median": round(median, 4),
         "step_s_min": round(float(np.min(times)), 4),
         "step_s_pipelined": round(pipelined, 4),
         "steps_per_s": round(1.0 / median, 3),
-        "examples_per_s": round(batch / median, 1),
+        "examples_per_s": round(config.train.batch_size / median, 1),
         "peak_rss_gib": round(
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2
         ),

@@ -278,7 +278,8 @@ def main():
         if ceiling is None:
             # The matmul ceiling after the first dtype's steps: other
             # processes sharing the device (compile probes) are done by then.
-            ceiling = matmul_ceiling(args.matmul_n)
+            with bench_steps.device_turn():  # alone on the device (PAIR)
+                ceiling = matmul_ceiling(args.matmul_n)
             emit(
                 {
                     "what": "device",

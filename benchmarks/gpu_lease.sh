@@ -19,6 +19,10 @@
 #   PROBES=0 BUDGET=450 bash benchmarks/gpu_lease.sh run --batch 256
 #   --methods moddiffy_par --dtypes bfloat16 --attention cudnn:0 --steps 10
 #   --no_compose [--compiler_option xla_gpu_command_buffer_update_mode=1]
+# PAIR="ARGS" runs a second gpu.py with ARGS added (e.g. PAIR="--compiler_option
+# xla_gpu_command_buffer_update_mode=1"), compiling at the same time (each
+# with 45% of the device memory; output gpu_pair.jsonl, log_pair.txt); the
+# two time their steps one after the other once both have compiled.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -62,15 +66,28 @@ run)
   fi
   export XLA_FLAGS="${XLA_FLAGS:---xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0}"
   export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.5}
+  if [ -n "${PAIR:-}" ]; then
+    # A second benchmarks/gpu.py with PAIR's extra arguments, compiling beside
+    # the first (the compile is host work); bench_steps.device_turn then has
+    # each time its steps alone, after both have compiled.
+    export BENCH_TURN=/tmp/bench_turn,2 XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
+    # shellcheck disable=SC2086  # PAIR is a list of arguments
+    timeout -s ABRT "${BUDGET:-330}" python3 -X faulthandler benchmarks/gpu.py \
+      --out "$out/gpu_pair.jsonl" --trace /tmp/gpu_trace_pair "$@" $PAIR \
+      >"$out/log_pair.txt" 2>&1 &
+  fi
   timeout -s ABRT "${BUDGET:-330}" python3 -X faulthandler benchmarks/gpu.py \
     --out "$out/gpu.jsonl" --trace /tmp/gpu_trace "$@" 2>&1 | tee "$out/log.txt"
   wait
+  [ -n "${PAIR:-}" ] && cat "$out/log_pair.txt"
   for f in "$out"/probe_*.txt; do
     echo "$f: $(grep -o '"compile_s": [0-9.]*' "$f" || echo "no result (limit ${PROBE_S:-150} s)")"
   done
   # The traces themselves, where small (summaries are in gpu.jsonl).
-  find /tmp/gpu_trace -name perfetto_trace.json.gz -size -40M 2>/dev/null |
-    while read -r f; do cp "$f" "$out/$(basename "$(dirname "$(dirname "$(dirname "$(dirname "$f")")")")").json.gz"; done
+  for dir in /tmp/gpu_trace /tmp/gpu_trace_pair; do
+    find "$dir" -name perfetto_trace.json.gz -size -40M 2>/dev/null |
+      while read -r f; do cp "$f" "$out/$(basename "$dir")_$(basename "$(dirname "$(dirname "$(dirname "$(dirname "$f")")")")").json.gz"; done
+  done
   ls -la "$out"
   ;;
 *)
