@@ -70,6 +70,7 @@ run)
     # A second benchmarks/gpu.py with PAIR's extra arguments, compiling beside
     # the first (the compile is host work); bench_steps.device_turn then has
     # each time its steps alone, after both have compiled.
+    rm -rf /tmp/bench_turn  # no marks left from an earlier call
     export BENCH_TURN=/tmp/bench_turn,2 XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
     # shellcheck disable=SC2086  # PAIR is a list of arguments
     timeout -s ABRT "${BUDGET:-330}" python3 -X faulthandler benchmarks/gpu.py \
