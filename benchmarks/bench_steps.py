@@ -209,7 +209,8 @@ def device_turn():
     once, each its own variant), a process that has compiled marks it in DIR
     and waits until all N have (or 300 s), so no timed step runs beside
     another's compile on the host; then the processes time their steps one
-    at a time under a lock in DIR. Without it, nothing waits.
+    at a time under a lock in DIR (which starts empty: marks left from an
+    earlier call would count). Without it, nothing waits.
     """
     spec = os.environ.get("BENCH_TURN", "")
     if not spec:
