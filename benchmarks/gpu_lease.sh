@@ -22,7 +22,8 @@
 # PAIR="ARGS" runs a second gpu.py with ARGS added (e.g. PAIR="--compiler_option
 # xla_gpu_command_buffer_update_mode=1"), compiling at the same time (each
 # with 45% of the device memory; output gpu_pair.jsonl, log_pair.txt); the
-# two time their steps one after the other once both have compiled.
+# two time their steps one after the other once both have compiled. Use it
+# with PROBES=0 (the probes' four 8% shares do not fit beside two of 45%).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
