@@ -440,3 +440,33 @@ def test_the_converged_mlp_reads_what_linear_probes_and_the_attacker_miss():
     assert attacker.summary()["test_balanced_accuracy/mean"] < 0.68
     assert mlp["test_balanced_accuracy"] > 0.74
     assert set(mlp) == {"test_balanced_accuracy", "dev_balanced_accuracy", "best_epoch"}
+
+
+@pytest.mark.parametrize("dev_classes", [2, 1])
+def test_the_converged_mlp_read_once_is_the_curves_best_dev_epoch(dev_classes):
+    """The converged MLP keeps the epoch of its best dev balanced accuracy
+    inside the program and reads test once (stop 63): the epoch and the
+    numbers are those the per-epoch curves give (the first best epoch; the
+    last when dev's balanced accuracy is undefined, one class in dev)."""
+    rng = np.random.default_rng(1)
+    splits = [a for n in (600, 200, 400) for a in _spread(n, rng)]
+    if dev_classes == 1:
+        splits[3] = np.zeros_like(splits[3])
+    config = dataclasses.replace(probes.CONVERGED_MLP, max_epochs=30)
+    once = probes.converged_mlp_probe(*splits, num_classes=2, config=config)
+    curves = probes.train_probe_ensemble(
+        *splits, num_classes=2, config=dataclasses.replace(config, test_curves=True)
+    )
+    dev = curves.history["dev_balanced_accuracy"][0]
+    test = curves.history["test_balanced_accuracy"][0]
+    epoch = len(dev) - 1 if np.all(np.isnan(dev)) else int(np.nanargmax(dev))
+    assert once["best_epoch"] == epoch
+    if dev_classes == 2:
+        assert 0 < epoch < len(dev) - 1  # not a trivial pick
+        assert once["dev_balanced_accuracy"] == pytest.approx(dev[epoch], abs=1e-12)
+    assert once["test_balanced_accuracy"] == pytest.approx(test[epoch], abs=1e-12)
+    with pytest.raises(ValueError, match="select='dev_balanced_accuracy'"):
+        loss_rule = dataclasses.replace(config, select="dev_loss")
+        probes.converged_mlp_probe(*splits, num_classes=2, config=loss_rule)
+    with pytest.raises(ValueError, match="select must be one of"):
+        probes.ProbeConfig(select="dev_acc")
