@@ -708,17 +708,6 @@ def check_prune_config(d: ml_collections.ConfigDict) -> None:
             f"config.diff.erasure_share={share!r}: the share of each attribute "
             "diff's budget given to its closed-form eraser, in [0, 1) (0: off)."
         )
-    max_drop = d.get("erasure_max_drop", 1.0)
-    if (
-        isinstance(max_drop, bool)
-        or not isinstance(max_drop, (int, float))
-        or not 0 <= max_drop <= 1
-    ):
-        raise ValueError(
-            f"config.diff.erasure_max_drop={max_drop!r}: the task accuracy (a "
-            "share in [0, 1]) an eraser may cost on its fit rows before 'auto' "
-            "leaves the diff as trained (1: never)."
-        )
     rounds = d.get("erasure_rounds", 1)
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(

@@ -19,7 +19,6 @@ SparseDiff file and can be added to the core alone or with others.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -358,14 +357,6 @@ def diff_config() -> ml_collections.ConfigDict:
     # composition and stored as a correction beside them
     # (methods/joint_erasure.py; export/joint/<a>+<b>.safetensors).
     d.erasure_joint = True
-    # Under "auto", an eraser that costs the task more than this share of
-    # accuracy on the rows it was fit on (the diff with it against the diff
-    # without it) is not written: the trained diff stays as trained and
-    # results.json says why. A guard against breakage, not a task bar: the
-    # erasers of stops 55-57 cost 0.3-2.4 points, and at stop 63 the
-    # adversarial MoDDiffy-post gender diff's eraser took the main job's test
-    # accuracy to 0.61. "on" writes it anyway and warns.
-    d.erasure_max_drop = 0.05
     return d
 
 
@@ -392,7 +383,6 @@ def finish(ctx, trainable: dict, frozen: dict, phase: str):
         rounds=int(d.get("erasure_rounds", 1)),
     )
     evaluator = Evaluator(ctx)
-    fit_rows = erasure_refit.fit_split(ctx, settings)
     sparse = sparse_diffs_of(ctx, trainable, frozen, phase)
     record, refits = {}, {}
     indices = frozen["indices"]
@@ -416,24 +406,6 @@ def finish(ctx, trainable: dict, frozen: dict, phase: str):
             compose=lambda c, s: evaluator.compose(c, [s]),
             forward=evaluator.forward,
         )
-        head = standard.model(ctx, trainable, frozen)[1]
-        before = _fit_rows_accuracy(
-            evaluator, core, head, sparse[diff_name(key)], fit_rows
-        )
-        after = _fit_rows_accuracy(evaluator, core, head, done.diff, fit_rows)
-        drop, max_drop = before - after, float(d.get("erasure_max_drop", 1.0))
-        done.record.update(task_acc_fit_rows={"without": before, "with": after})
-        if drop > max_drop:
-            why = (
-                f"the eraser cost the task {100 * drop:.1f} points on its fit "
-                f"rows ({before:.3f} -> {after:.3f}), more than "
-                f"diff.erasure_max_drop={max_drop}"
-            )
-            if mode == "auto":
-                record[key[-1]] = {**done.record, "skipped": why}
-                logging.warning("The %s diff is kept as trained: %s.", key[-1], why)
-                continue
-            logging.warning("The %s diff's eraser is written (on): %s.", key[-1], why)
         record[key[-1]], refits[key[-1]] = done.record, done
         sd = done.diff
         kept = [p for p in sd.indices if np.size(sd.indices[p])]
@@ -463,13 +435,6 @@ def finish(ctx, trainable: dict, frozen: dict, phase: str):
             )
         frozen[JOINT] = corrections
     return trainable, frozen, record
-
-
-def _fit_rows_accuracy(evaluator, core, head, sd, split) -> float:
-    """Task accuracy of ``core`` with ``sd`` added, read by ``head``, on the
-    rows an eraser is fit on (``split``)."""
-    pred = evaluator.predict(evaluator.compose(core, [sd]), head, split)
-    return float(np.mean(pred == np.asarray(split.task)))
 
 
 def exports(
