@@ -526,3 +526,15 @@ def test_ood_and_bias_rows_and_report(tmp_path, tokenizer):
     old = composition.format_report(results)
     assert "aligned" not in old and "OOD" not in old
     assert "| configuration | dev acc | test acc | test macro-F1 |" in old
+    assert "task lost" not in old
+    # A row far under the core's task accuracy is marked (stop 63), one
+    # within TASK_LOST is not, and the core never is.
+    results["composition"]["core"]["test_task_acc"] = 0.9
+    results["composition"]["core+x"]["test_task_acc"] = 0.6
+    marked = composition.format_report(results)
+    assert "| core+x (task lost: 30.0 points under the core) | 0.500 | 0.600 |" in (
+        marked
+    )
+    assert "*task lost*: core+x read(s) more than 10 points" in marked
+    results["composition"]["core+x"]["test_task_acc"] = 0.81
+    assert "task lost" not in composition.format_report(results)

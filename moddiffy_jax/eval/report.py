@@ -12,6 +12,12 @@ SPLITS = ("train", "dev", "test")
 #: A task head predicting one class for at least this share of a split is
 #: reported as degenerate (a constant predictor).
 DEGENERATE_SHARE = 0.99
+#: A row whose test task accuracy is more than this under the core's is
+#: marked "task lost": its leakage and TPR gap describe a broken model, not
+#: a removal (stop 63: an adversarial MoDDiffy-post gender diff that
+#: collapsed in its last steps read 0.613 against the core's 0.928, macro-F1
+#: 0.528, and showed the table's smallest gender TPR gap).
+TASK_LOST = 0.10
 
 
 def _fmt(mean: float | None, std: float | None = None) -> str:
@@ -62,6 +68,15 @@ def guard_line(guard: Mapping[str, Any]) -> str:
         f"task guard (slack {guard['slack']:.2f} of task accuracy, from step "
         f"{guard['start_step']}{back}): removal weight at the end {weights}"
     )
+
+
+def task_lost(core_acc: Any, acc: Any) -> float | None:
+    """Points of test task accuracy a row lost against the core, where more
+    than :data:`TASK_LOST` (else None)."""
+    if core_acc is None or acc is None:
+        return None
+    drop = float(core_acc) - float(acc)
+    return 100 * drop if drop > TASK_LOST else None
 
 
 def format_report(results: Mapping[str, Any]) -> str:
@@ -138,11 +153,17 @@ def format_report(results: Mapping[str, Any]) -> str:
         header += [f"{a} mlp"] * has_mlp + [f"{a} RMS TPR gap"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "---|" * len(header))
+    core_acc = rows.get("core", {}).get("test_task_acc")
+    flagged: list[str] = []
     for label, row in rows.items():
         test = row["task"].get("test", {})
         shown = label + (
             " (degenerate: constant predictor)" if row.get("degenerate") else ""
         )
+        lost = task_lost(core_acc, row.get("test_task_acc"))
+        if lost is not None and label != "core" and not row.get("degenerate"):
+            shown += f" (task lost: {lost:.1f} points under the core)"
+            flagged.append(label)
         cells = [
             shown,
             _fmt(row.get("dev_task_acc")),
@@ -175,6 +196,14 @@ def format_report(results: Mapping[str, Any]) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", _floor_note()]
         lines += _gap_closed_lines(rows, attrs, floors, has_mlp)
+    if flagged:
+        lines += [
+            "",
+            f"*task lost*: {', '.join(flagged)} read(s) more than "
+            f"{100 * TASK_LOST:.0f} points of test task accuracy under the core: "
+            "the model is broken there, so its leakage and TPR gap say nothing "
+            "about removal (a head near one class has a small TPR gap).",
+        ]
     lines += _task_only_lines(rows)
     lines += _discriminant_lines(rows)
     lines += _strength_lines(results.get("strength") or {})
