@@ -695,7 +695,9 @@ def converged_mlp_probe(
     ``{"test_balanced_accuracy", "dev_balanced_accuracy", "best_epoch"}``.
 
     ``splits``: ``train_h, train_y, dev_h, dev_y, test_h, test_y`` as for
-    :func:`train_probe_ensemble`; ``config`` needs ``test_curves``.
+    :func:`train_probe_ensemble`; ``config`` needs
+    ``select="dev_balanced_accuracy"`` (the test split is read once, at
+    that epoch; with ``test_curves`` every epoch, the same numbers).
     """
     if config.select != "dev_balanced_accuracy":
         raise ValueError(
