@@ -35,8 +35,8 @@ diff trained on counterfactual word swaps makes the marker unreadable, as
 
 ``--split dev`` / ``--split test`` (stop 63) applies the process's Bayes
 rule (its likelihood ratios, ties counted as half right) to the rows of
-the main job's own split (``--data_seed``; 2,000 dev and 3,000 test
-examples), with each set of cues: what a head reading exactly those cues
+the main job's own split (``--data_seed``; its split sizes, 2,000 dev
+and 3,000 test examples), with each set of cues: what a head reading exactly those cues
 scores on *that* split. A finite split's label noise differs from the
 process's (the main job's test split has 8.9% noisy task words, its dev
 split 10.9%), so these are the references a run's test (or dev) accuracy
@@ -153,14 +153,16 @@ def split_accuracies(args) -> dict[str, float]:
     with each set of cues (the text's cues parsed from its words), printed
     and returned by cue set ("tga", "ta", "tg", "t"; "noisy": the share
     of rows whose task word is not the label's)."""
+    from moddiffy_jax.config_lib import experiment_config
     from moddiffy_jax.data.synthetic import ATTR_MARKERS, TASK_WORDS, generate_synthetic
 
+    sizes = experiment_config("moddiffy_par", "").data.synthetic  # the main job's
     corr = {"gender": args.gender_corr, "age": args.age_corr}
     data = generate_synthetic(
         seed=args.data_seed,
-        num_train=2000,
-        num_dev=2000,
-        num_test=3000,
+        num_train=sizes.num_train,
+        num_dev=sizes.num_dev,
+        num_test=sizes.num_test,
         attr_task_correlation=corr,
         label_noise=args.label_noise,
         attr_marker_prob=args.marker_prob,

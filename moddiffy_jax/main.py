@@ -178,6 +178,16 @@ def format_results(results: dict) -> str:
             value = f"{floors[a][what]:.3f}" if a in floors else "n/a"
             cells += [value.rjust(18)] + [value.rjust(12)] * (1 + has_mlp)
         lines.append(f"({what})".ljust(width) + "  ".join(cells))
+    from moddiffy_jax.eval.report import task_lost
+
+    core_acc = rows.get("core", {}).get("test_task_acc")
+    for label, row in rows.items():
+        lost = task_lost(core_acc, row.get("test_task_acc"))
+        if lost is not None and label != "core":
+            lines.append(
+                f"task lost: {label} reads {lost:.1f} points of test accuracy under "
+                "the core; its leakage says nothing about removal"
+            )
     if leakage:
         # Results written before stop 23 have no "probe_whiten": standardized.
         metric = (

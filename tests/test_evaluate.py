@@ -68,6 +68,17 @@ def test_composition_matrix(run):
     assert "(one probe seed: one ensemble;" in main.format_results(whole)
     del whole["probe_whiten"]  # a run from before the whitened attacker
     assert "standardized per feature" in main.format_results(whole)
+    # A row far under the core's task accuracy is named under the table.
+    core_acc = whole["composition"]["core"]["test_task_acc"]
+    for row in whole["composition"].values():
+        row["test_task_acc"] = core_acc
+    assert "task lost" not in main.format_results(whole)
+    whole["composition"]["core+gender"]["test_task_acc"] = core_acc - 0.3
+    lost = [x for x in main.format_results(whole).splitlines() if "task lost" in x]
+    assert lost == [
+        "task lost: core+gender reads 30.0 points of test accuracy under the "
+        "core; its leakage says nothing about removal"
+    ]
     # The task accuracy of the core matches the training run's own table.
     trained = json.loads((run / "results.json").read_text())["composition"]
     assert rows["core"]["test_task_acc"] == pytest.approx(
