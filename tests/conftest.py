@@ -26,6 +26,12 @@ for _flag in (
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
+# One OpenBLAS thread per test process (read when numpy first loads it):
+# two xdist workers on two cores, each with a BLAS pool of two, made the
+# swap recipe's small L-BFGS fits (methods/swap_budget.py, 82 of them per
+# tiny context) wait on each other's spinning threads: 9 ms a fit alone,
+# 134 ms inside the suite (stop 64, docs/speed.md).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # Every program, however small: the command-line subprocesses of the run
 # tests compile ~110 small ones each (4.3 s read back against 7.9 s with a
 # 0.5 s threshold, measured on the tiny MoDDiffy-par run).
