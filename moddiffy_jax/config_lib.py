@@ -173,6 +173,10 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # "task_minus_leakage" (that minus select_leakage_weight x the mean fresh
     # dev leakage of each attribute's own configuration; best.py).
     c.train.select_metric = "task"
+    # best_dev: "run" (one state, scored on the full composition) or "diff"
+    # (each diff at the evaluation its own core+<attribute> row scored best;
+    # diffs trained apart on a frozen core, MoDDiffy-post; best.py).
+    c.train.select_scope = "run"
     # >= 0: export the running mean of the parameters over the last phase's
     # steps after this share of them (tail weight averaging; averaging.py);
     # -1: the last step's parameters.

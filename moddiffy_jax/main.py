@@ -225,6 +225,13 @@ def format_results(results: dict) -> str:
                 else ""
             )
         )
+    chosen = results.get("selected", {})
+    if chosen.get("scope") == "diff":  # train.select_scope="diff"
+        steps = ", ".join(
+            f"{a} at step {d['step']} ({d['row']} dev {d['score']:.4f})"
+            for a, d in chosen["diffs"].items()
+        )
+        lines.append(f"best dev, each diff on its own: {steps}")
     for name, info in results.get("diffs", {}).items():
         lines.append(
             f"diff {name}: {info['nnz']:,} of {info['num_selected']:,} entries kept "

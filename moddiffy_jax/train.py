@@ -230,14 +230,7 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     phases = method.phases_of(config)
     phase_index, phase_step, global_step = 0, 0, 0
     restored_state = None
-    best = best_lib.BestDev(
-        workdir,
-        config.train.get("select", "last") == "best_dev",
-        start=config.train.get("select_from", 0.0),
-        metric=config.train.get("select_metric", "task"),
-        attributes=tuple(ctx.attributes),
-        leakage_weight=config.train.get("select_leakage_weight", 1.0),
-    )
+    best = best_lib.keeper(workdir, config, ctx.attributes)
     if latest is not None:
         best.load()
         meta, extra = ckpt.restore_meta(latest)

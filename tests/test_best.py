@@ -5,6 +5,7 @@ fine-tuning; the rule is the same for every method of the shared loop)."""
 import json
 
 import ml_collections
+import numpy as np
 import pytest
 
 from moddiffy_jax import best, train
@@ -146,3 +147,69 @@ def test_a_best_state_of_another_metric_is_refused(tmp_path):
         other.load()
     with pytest.raises(ValueError, match="needs protected attributes"):
         best.BestDev(tmp_path, True, metric="task_minus_leakage")
+
+
+def _diffs(g, a):
+    return {"diffs": {"gender": {"w": np.full(2, g)}, "age": {"w": np.full(2, a)}}}
+
+
+def test_each_diff_is_kept_at_its_own_best_evaluation(tmp_path):
+    """select_scope='diff': the gender diff stops where core+gender scored best
+    (step 2, before it broke down at 3), the age diff where core+age did
+    (step 3), although the full composition scored best at step 1; a resumed
+    keeper reads the same choice back and puts each diff back into the last
+    state, leaving the rest of it alone."""
+    config = experiment_config("moddiffy_post", "model=tiny")
+    with config.unlocked():
+        config.train.select, config.train.eval_every = "best_dev", 1
+        config.train.select_scope = "diff"
+    best.check_select(config)
+    keeper = best.keeper(tmp_path, config, ("gender", "age"))
+    evaluations = [  # step: (core+gender, core+age, core+gender+age)
+        (1, 0.80, 0.85, 0.95),
+        (2, 0.90, 0.85, 0.90),
+        (3, 0.50, 0.88, 0.90),
+    ]
+    for step, g, a, both in evaluations:
+        rows = {
+            "core": {"dev_task_acc": 0.9},
+            "core+gender": {"dev_task_acc": g},
+            "core+age": {"dev_task_acc": a},
+            "core+gender+age": {"dev_task_acc": both},
+        }
+        keeper.offer(rows, _diffs(step, 10 * step), {}, "fixmask", step, 1.0)
+    last = {**_diffs(3, 30), "adversaries": {"x": np.ones(1)}}
+    for k in (keeper, best.keeper(tmp_path, config, ("gender", "age"))):
+        if k is not keeper:
+            k.load()
+        assert k.info["scope"] == "diff" and k.info["phase"] == "fixmask"
+        assert {a: d["step"] for a, d in k.info["diffs"].items()} == {
+            "gender": 2,
+            "age": 3,
+        }
+        assert k.info["diffs"]["gender"]["row"] == "core+gender"
+        trainable, frozen, phase = k.restore(last, {"core": 1})
+        np.testing.assert_array_equal(trainable["diffs"]["gender"]["w"], [2, 2])
+        np.testing.assert_array_equal(trainable["diffs"]["age"]["w"], [30, 30])
+        assert trainable["adversaries"] is last["adversaries"]
+        assert frozen == {"core": 1} and phase == "fixmask"
+    # The run-scope keeper of the same workdir refuses the file, and back.
+    with pytest.raises(ValueError, match="select_scope='diff'"):
+        best.BestDev(tmp_path, True).load()
+    with pytest.raises(ValueError, match="core\\+gender"):
+        keeper.offer(
+            {"core": {"dev_task_acc": 0.9}}, _diffs(4, 4), {}, "fixmask", 4, 1.0
+        )
+
+
+def test_diff_scope_needs_diffs_trained_apart():
+    config = experiment_config("moddiffy_par", "model=tiny")
+    with config.unlocked():
+        config.train.select, config.train.eval_every = "best_dev", 5
+        config.train.select_scope = "diff"
+    with pytest.raises(ValueError, match="diffs trained apart on a frozen core"):
+        best.check_select(config)
+    with config.unlocked():
+        config.train.select_scope = "each"
+    with pytest.raises(ValueError, match="select_scope='each'"):
+        best.check_select(config)

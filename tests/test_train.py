@@ -4,6 +4,7 @@ MoDDiffy-par run, its resumes and its data-parallel twins:
 tests/test_par_runs.py.)"""
 
 import importlib.util
+import json
 import pathlib
 
 import jax
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moddiffy_jax import checkpoints, train
+from moddiffy_jax import checkpoints, main, train
 from moddiffy_jax.config_lib import experiment_config, parse_arg
 from moddiffy_jax.methods import METHODS, common, registry
 from moddiffy_jax.subnets import diffs as diffs_lib
@@ -48,9 +49,36 @@ def test_method_runs(method, tmp_path):
 def test_finetune_then_post(finetune_run, tmp_path):
     ft_dir, ft_results = finetune_run
     check_run(ft_dir, ft_results, "finetune")
-    config = tiny("moddiffy_post", **{"method.core_run": str(ft_dir)})
+    # Each diff exported at its own best dev evaluation (select_scope "diff").
+    config = tiny(
+        "moddiffy_post",
+        **{
+            "method.core_run": str(ft_dir),
+            "train.select": "best_dev",
+            "train.select_scope": "diff",
+            "train.eval_every": 1,
+        },
+    )
     results = train.train_and_evaluate(config, tmp_path)
     core = check_run(tmp_path, results, "moddiffy_post")
+    records = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    fixmask_from = results["phase_steps"]["l0"]  # only the last phase counts
+    chosen = results["selected"]
+    assert chosen["rule"] == "best_dev" and chosen["scope"] == "diff"
+    for a in ("gender", "age"):
+        key = f"eval/core+{a}/dev_task_acc"
+        scores = {r["step"]: r[key] for r in records if key in r}
+        scores = {s: v for s, v in scores.items() if s >= fixmask_from}
+        top = max(scores.values())
+        assert chosen["diffs"][a]["step"] == min(
+            s for s, v in scores.items() if v == top
+        )
+        assert chosen["diffs"][a]["score"] == top
+        # The exported diff, evaluated afresh, scores what the selection saw.
+        assert results["composition"][f"core+{a}"]["dev_task_acc"] == top
+    printed = main.format_results(results)
+    assert "best dev, each diff on its own: age at step" in printed
+    assert f"gender at step {chosen['diffs']['gender']['step']} (core+gender" in printed
     # The frozen core is exactly the finetune run's core.
     ft_core, _ = checkpoints.load_params(ft_dir / "export" / "core.safetensors")
     for x, y in zip(jax.tree.leaves(core), jax.tree.leaves(ft_core), strict=True):
