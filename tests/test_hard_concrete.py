@@ -130,6 +130,42 @@ def test_fused_noise_is_jax_random_uniform_bit_for_bit(shape):
         )
 
 
+def test_fused_noise_hash_is_traced_once_per_shape(monkeypatch):
+    """A step draws noise for many leaves of few shapes: the hash is traced
+    once per shape (and per rows' shape) and inlined, so the program is the
+    one tracing it every time gives, and so are the numbers."""
+    traced = []
+    real = noise._to_unit_float
+
+    def counting(words, counter):
+        traced.append(counter.shape)
+        return real(words, counter)
+
+    monkeypatch.setattr(noise, "_to_unit_float", counting)
+    for fn in (noise._uniform_of_words, noise._rows_of_words):
+        fn.clear_cache()
+    keys = jax.random.split(jax.random.PRNGKey(4), 4)
+    rows = jnp.asarray([2, 0])
+
+    def draws(keys):
+        return (
+            noise.uniform(keys[0], (3, 11)),
+            noise.uniform(keys[1], (3, 11)),
+            noise.uniform(keys[2], (13,)),
+            noise.uniform_rows(keys[3], (3, 11), rows),
+            noise.uniform_rows(keys[0], (3, 11), rows),
+        )
+
+    got = jax.jit(draws)(keys)
+    assert sorted(traced) == [(2, 11), (3, 11), (13,)]
+    assert "pjit" not in str(jax.make_jaxpr(draws)(keys))  # inlined
+    want = [jax.random.uniform(keys[i], s) for i, s in ((0, (3, 11)), (1, (3, 11)))]
+    want += [jax.random.uniform(keys[2], (13,))]
+    want += [jax.random.uniform(keys[i], (3, 11))[rows] for i in (3, 0)]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_fused_noise_falls_back_for_other_generators():
     key = jax.random.key(3, impl="rbg")
     np.testing.assert_array_equal(

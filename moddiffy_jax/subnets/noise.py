@@ -16,6 +16,7 @@ calls ``jax.random.uniform`` itself.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -75,6 +76,16 @@ def uniform(key: jax.Array, shape: Sequence[int], dtype=jnp.float32) -> jax.Arra
         or not shape
     ):
         return jax.random.uniform(key, shape, dtype)
+    return _uniform_of_words(words[0], words[1], shape)
+
+
+# Traced once per shape and inlined (``inline=True``): a step draws noise for
+# about a hundred leaves of a handful of shapes, several times (gates, the
+# swapped twin, dropout), and tracing the straight-line hash again for each
+# was a large share of a first step's Python time. The jaxpr and the program
+# are the same as tracing it every time (stop 64, docs/speed.md).
+@functools.partial(jax.jit, static_argnums=(2,), inline=True)
+def _uniform_of_words(k1: jax.Array, k2: jax.Array, shape: tuple[int, ...]):
     # The row-major index of each element is its counter: high word 0 below
     # 2**32 entries, low word the index (jax's iota_2x32_shape).
     counter = jnp.zeros(shape, jnp.uint32)
@@ -82,7 +93,7 @@ def uniform(key: jax.Array, shape: Sequence[int], dtype=jnp.float32) -> jax.Arra
         counter = counter + jax.lax.broadcasted_iota(
             jnp.uint32, shape, axis
         ) * np.uint32(stride)
-    return _to_unit_float(words, counter)
+    return _to_unit_float((k1, k2), counter)
 
 
 def uniform_rows(
@@ -103,7 +114,13 @@ def uniform_rows(
         or len(shape) < 1
     ):
         return jnp.take(jax.random.uniform(key, shape, dtype), rows, axis=0)
-    rows = jnp.asarray(rows).astype(jnp.uint32)
+    return _rows_of_words(words[0], words[1], jnp.asarray(rows), shape)
+
+
+@functools.partial(jax.jit, static_argnums=(3,), inline=True)
+def _rows_of_words(k1, k2, rows: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """:func:`uniform_rows` from the key's words (traced once per shape)."""
+    rows = rows.astype(jnp.uint32)
     out_shape = (rows.shape[0],) + shape[1:]
     strides = np.cumprod((1,) + shape[:0:-1])[::-1]
     counter = jax.lax.broadcast_in_dim(rows, out_shape, (0,)) * np.uint32(strides[0])
@@ -111,7 +128,7 @@ def uniform_rows(
         counter = counter + jax.lax.broadcasted_iota(
             jnp.uint32, out_shape, axis
         ) * np.uint32(strides[axis])
-    return _to_unit_float(words, counter)
+    return _to_unit_float((k1, k2), counter)
 
 
 def _to_unit_float(words, counter: jax.Array) -> jax.Array:
