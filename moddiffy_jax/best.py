@@ -24,7 +24,7 @@
   ``core+<attribute>`` scored best, for runs whose diffs train apart on a
   frozen core (MoDDiffy-post): the diffs share nothing, so each can stop
   where it was best. A diff that breaks down late (the adversarial gender
-  diff of stop 63, 0.92 on dev at step 200 and 0.58 at 225, while the full
+  diff of stop 63, 0.91 on dev at step 200 and 0.58 at 225, while the full
   composition still read 0.90) is then exported before its breakdown,
   which the full composition's score does not see. MoDDiffy-par's diffs
   are changes of the core of their own step and cannot be chosen apart.
