@@ -166,6 +166,47 @@ def test_fused_noise_hash_is_traced_once_per_shape(monkeypatch):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def test_small_leaves_of_one_shape_draw_as_one_hash(monkeypatch):
+    """uniform_many: the numbers of one uniform() per key, bit for bit, with
+    the small draws of one shape computed by one stacked hash; a lone shape
+    and a leaf at the size limit keep their own draw; and sample_gates gives
+    each leaf what sample_gate gives it with its key."""
+    monkeypatch.setattr(noise, "GROUP_BELOW", 64)
+    hashes = []
+    real = noise._to_unit_float
+
+    def counting(words, counter):
+        hashes.append(jnp.broadcast_shapes(counter.shape, jnp.shape(words[0])))
+        return real(words, counter)
+
+    monkeypatch.setattr(noise, "_to_unit_float", counting)
+    for fn in (noise._uniform_of_words, noise._stacked_of_words):
+        fn.clear_cache()
+    shapes = [(5,), (3, 4), (5,), (8, 8), (5,), (3, 4), (8, 8), (2,)]
+    keys = list(jax.random.split(jax.random.PRNGKey(9), len(shapes)))
+    got = jax.jit(lambda ks: noise.uniform_many(ks, shapes))(keys)
+    for k, s, g in zip(keys, shapes, got, strict=True):
+        assert g.shape == s
+        np.testing.assert_array_equal(
+            np.asarray(g), np.asarray(jax.random.uniform(k, s))
+        )
+    # (5,) x3 and (3, 4) x2 stacked; (8, 8) has 64 entries: one draw each; (2,)
+    # alone.
+    assert sorted(hashes) == [(2,), (2, 3, 4), (3, 5), (8, 8)]
+    tree = {"a": jnp.full((5,), 0.3), "b": jnp.zeros((5,)), "c": jnp.ones((3, 4))}
+    rng = jax.random.PRNGKey(2)
+    z = jax.jit(lambda t: hcm.sample_gates(t, rng, hc=DEFAULT))(tree)
+    leaves = jax.tree.leaves(tree)
+    for la, k, zi in zip(
+        leaves, jax.random.split(rng, len(leaves)), jax.tree.leaves(z), strict=True
+    ):
+        np.testing.assert_array_equal(
+            np.asarray(zi), np.asarray(hcm.sample_gate(la, k, hc=DEFAULT))
+        )
+    with pytest.raises(ValueError, match="2 keys for 1 shapes"):
+        noise.uniform_many(keys[:2], shapes[:1])
+
+
 def test_fused_noise_falls_back_for_other_generators():
     key = jax.random.key(3, impl="rbg")
     np.testing.assert_array_equal(

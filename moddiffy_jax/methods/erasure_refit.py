@@ -439,7 +439,8 @@ def refit(
     room = support(units, hidden, *paths)
     before = sd.nnz()
     sd = trim(sd, room, budget)
-    y, g = features(fn, forward, compose(core, sd), split)
+    if sd.nnz() != before:  # trim only drops entries: none dropped, same model
+        y, g = features(fn, forward, compose(core, sd), split)
     additions, fit = write_eraser(y, g, task, labels, units, paths, settings.ridge)
     sd = add_entries(sd, additions)
     # Further rounds in the same rows: each fit again on the erased model

@@ -22,7 +22,7 @@ from moddiffy_jax.subnets.hard_concrete import (
     deterministic_gates,
     expected_l0,
     gate_from_uniform,
-    sample_gate,
+    sample_gate_list,
     sample_gates,
 )
 from moddiffy_jax.subnets.selection import (
@@ -270,14 +270,18 @@ def _apply_with_gathered_rows(base, state, rng, hc, straight_through, gathered):
         flatten(state.delta),
         flatten(keys),
     )
-    new = {}
+    new, dense = {}, []
     for path, la in flat_la.items():
         w0, delta, key = flat_base[path], flat_delta[path], flat_keys[path]
         if path in gathered and jnp.ndim(w0) == 2:
             new[path] = GatedRows(w0, delta, la, key, hc, straight_through)
         else:
-            gate = sample_gate(la, key, hc=hc)
-            new[path] = _combine(w0, delta, gate, straight_through)
+            dense.append(path)
+    gates = sample_gate_list(
+        [flat_la[p] for p in dense], [flat_keys[p] for p in dense], hc=hc
+    )
+    for path, gate in zip(dense, gates, strict=True):
+        new[path] = _combine(flat_base[path], flat_delta[path], gate, straight_through)
     # Not selection.merge: it would flatten the GatedRows values as subtrees.
     return jax.tree_util.tree_map_with_path(
         lambda keypath, leaf: new.get(path_str(keypath), leaf), base

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -186,9 +187,23 @@ def sample_gates(
     if not leaves:
         return log_alpha_tree
     keys = jax.random.split(rng, len(leaves))
-    return jax.tree.unflatten(
-        treedef, [sample_gate(la, k, hc=hc) for la, k in zip(leaves, keys, strict=True)]
-    )
+    return jax.tree.unflatten(treedef, sample_gate_list(leaves, list(keys), hc=hc))
+
+
+def sample_gate_list(
+    log_alphas: Sequence[jax.Array],
+    keys: Sequence[jax.Array],
+    *,
+    hc: HardConcrete = HardConcrete(),
+) -> list[jax.Array]:
+    """``[sample_gate(la, k, hc=hc) for la, k in zip(log_alphas, keys)]``, the
+    same numbers, with the noise of small leaves of one shape drawn as one
+    hash (:func:`moddiffy_jax.subnets.noise.uniform_many`): a smaller program."""
+    log_alphas = [jnp.asarray(la) for la in log_alphas]
+    us = noise.uniform_many(keys, [la.shape for la in log_alphas])
+    return [
+        gate_from_uniform(la, u, hc=hc) for la, u in zip(log_alphas, us, strict=True)
+    ]
 
 
 def deterministic_gates(
