@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from moddiffy_jax.models import bert
+from moddiffy_jax.models import bert, bert_model
 
 FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "minilm_parity.npz"
 INPUT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
@@ -611,3 +611,26 @@ def test_config_from_hf_dict():
         bert.BertConfig.from_hf_dict({**d, "model_type": "gpt2"})
     roberta = bert.BertConfig.from_hf_dict({**d, "model_type": "roberta"})
     assert roberta.padding_positions and roberta.max_length == 64 - 1
+
+
+def test_init_reuses_one_program_per_config():
+    """A second model of the same config (a notebook, the test session)
+    reuses the jitted init: no new trace; the key still decides the values."""
+    config = bert.BertConfig(
+        vocab_size=50,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=16,
+    )
+    first = bert.init_params(config, key(1))
+    jitted = bert_model._jitted_init
+    before = jitted.cache_info().hits
+    again = bert.init_params(dataclasses.replace(config), key(1))
+    other = bert.init_params(config, key(2))
+    assert jitted.cache_info().hits == before + 2
+    chex.assert_trees_all_equal(first, again)
+    a, b = (x["embeddings"]["word_embeddings"]["embedding"] for x in (first, other))
+    assert not np.array_equal(a, b)
+    wider = bert.init_params(dataclasses.replace(config, hidden_size=12), key(1))
+    assert wider["embeddings"]["word_embeddings"]["embedding"].shape == (50, 12)

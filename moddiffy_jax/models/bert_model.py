@@ -36,6 +36,7 @@ module's own initialisation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -706,9 +707,17 @@ def init_params(config: BertConfig, rng: jax.Array) -> dict[str, Any]:
       The plain params dict (no ``{"params": ...}`` wrapper); wrap it as
       ``{"params": params}`` when calling ``BertEncoder(config).apply``.
     """
-    module = BertEncoder(config)
-    variables = jax.jit(module.init)(rng, *_dummy_inputs(config))
+    variables = _jitted_init(config)(rng, *_dummy_inputs(config))
     return dict(variables["params"])
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted_init(config: BertConfig):
+    """One jitted ``init`` per config in a process: a notebook or a test
+    session that builds the same model again reuses the program instead of
+    tracing, lowering and compiling (or reading back) the whole forward pass
+    again (0.5 s for the tests' tiny BERT; a frozen dataclass is its key)."""
+    return jax.jit(BertEncoder(config).init)
 
 
 def init_adapter_params(config: BertConfig, rng: jax.Array) -> dict[str, Any]:
