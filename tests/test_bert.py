@@ -634,3 +634,23 @@ def test_init_reuses_one_program_per_config():
     assert not np.array_equal(a, b)
     wider = bert.init_params(dataclasses.replace(config, hidden_size=12), key(1))
     assert wider["embeddings"]["word_embeddings"]["embedding"].shape == (50, 12)
+
+
+def test_the_tokenizer_is_loaded_once_per_directory_state(tmp_path):
+    """load_tokenizer gives one object per directory while its files stay as
+    they are, and reads a rewritten directory again."""
+    import shutil
+
+    src = bert.resolve_model_dir()
+    for name in ("config.json", "vocab.txt", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, tmp_path / name)
+    first = bert.load_tokenizer(tmp_path)
+    assert bert.load_tokenizer(str(tmp_path)) is first
+    ids = first("she went home")["input_ids"]
+    settings = tmp_path / "tokenizer_config.json"
+    config = json.loads(settings.read_text())
+    config["model_max_length"] = 7
+    settings.write_text(json.dumps(config))
+    again = bert.load_tokenizer(tmp_path)
+    assert again is not first and again.model_max_length == 7
+    assert again("she went home")["input_ids"] == ids
