@@ -713,10 +713,8 @@ def init_params(config: BertConfig, rng: jax.Array) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=16)
 def _jitted_init(config: BertConfig):
-    """One jitted ``init`` per config in a process: a notebook or a test
-    session that builds the same model again reuses the program instead of
-    tracing, lowering and compiling (or reading back) the whole forward pass
-    again (0.5 s for the tests' tiny BERT; a frozen dataclass is its key)."""
+    """One jitted ``init`` per (frozen, hashable) config in a process: a
+    model built again reuses it (0.5 s a build on the tests' tiny BERT)."""
     return jax.jit(BertEncoder(config).init)
 
 
