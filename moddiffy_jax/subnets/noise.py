@@ -67,16 +67,21 @@ def uniform(key: jax.Array, shape: Sequence[int], dtype=jnp.float32) -> jax.Arra
     """``jax.random.uniform(key, shape, dtype)`` on [0, 1), fusible by XLA."""
     shape = tuple(int(d) for d in shape)
     words = _key_words(key)
-    size = math.prod(shape)
-    if (
-        words is None
-        or jnp.dtype(dtype) != jnp.float32
-        or not jax.config.jax_threefry_partitionable
-        or size >= 2**32
-        or not shape
-    ):
+    if not _hashable(words, shape, dtype):
         return jax.random.uniform(key, shape, dtype)
     return _uniform_of_words(words[0], words[1], shape)
+
+
+def _hashable(words, shape: tuple[int, ...], dtype=jnp.float32) -> bool:
+    """Whether the straight-line hash gives ``jax.random.uniform``'s numbers
+    for this key (its words), shape and dtype."""
+    return (
+        words is not None
+        and jnp.dtype(dtype) == jnp.float32
+        and jax.config.jax_threefry_partitionable
+        and 0 < math.prod(shape) < 2**32
+        and bool(shape)
+    )
 
 
 # Traced once per shape and inlined (``inline=True``): a step draws noise for
@@ -123,13 +128,7 @@ def uniform_many(
     words = [_key_words(k) for k in keys]
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, (w, shape) in enumerate(zip(words, shapes, strict=True)):
-        size = math.prod(shape)
-        if (
-            w is not None
-            and shape
-            and 0 < size < GROUP_BELOW
-            and jax.config.jax_threefry_partitionable
-        ):
+        if _hashable(w, shape) and math.prod(shape) < GROUP_BELOW:
             groups.setdefault(shape, []).append(i)
     out: list[jax.Array | None] = [None] * len(keys)
     for shape, members in groups.items():
@@ -163,13 +162,7 @@ def uniform_rows(
     """
     shape = tuple(int(d) for d in shape)
     words = _key_words(key)
-    if (
-        words is None
-        or jnp.dtype(dtype) != jnp.float32
-        or not jax.config.jax_threefry_partitionable
-        or math.prod(shape) >= 2**32
-        or len(shape) < 1
-    ):
+    if not _hashable(words, shape, dtype):
         return jnp.take(jax.random.uniform(key, shape, dtype), rows, axis=0)
     return _rows_of_words(words[0], words[1], jnp.asarray(rows), shape)
 
