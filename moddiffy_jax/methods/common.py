@@ -684,14 +684,14 @@ def make_debias_loss(
             attribute=attribute,
             task_loss=task_loss,
         )
-        # The core's task log-probabilities on the batch (no diff, no
-        # gradient), for the distillation term and the decision conditioning.
+        # The core's task log-probabilities (no gradient) for the distill and
+        # decision conditioning; "added_to": with the diffs this step added.
+        base = (seen, seen_frozen) if debias.keep_from == "added_to" else None
         core_prediction = functools.partial(
             _core_prediction,
             model,
             method,
-            trainable,
-            frozen,
+            *(base or (trainable, frozen)),
             batch=batch,
             phase=phase,
             settings=diff_settings,

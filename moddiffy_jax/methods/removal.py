@@ -45,6 +45,8 @@ CONDITION_ON = ("label", "prediction", "core_prediction")
 #: Groups whose pooled scatter the whitened MMD reads (DebiasSettings).
 WHITEN_WITHIN = ("attribute", "cell")
 TASK_TARGETS = ("gold", "core_decision")  # what the debias steps' task term fits
+#: Whose prediction a debias step keeps (DebiasSettings.keep_from).
+KEEP_FROM = ("core", "added_to")
 #: ``mmd_conditional="auto"`` stratifies an attribute when the smallest
 #: (task class, attribute value) cell of the training data is expected to
 #: hold at least this many members per batch, and reweights it otherwise.
@@ -88,6 +90,13 @@ class DebiasSettings:
     # The debias steps' task labels: "gold", or the core's own decision (its
     # argmax, no gradient): a target that is a function of the input.
     task_target: str = "gold"
+    # Whose task prediction the core-reading terms of a debias step keep
+    # (task_distill, task_target "core_decision", swap_distill, the pivotal
+    # pairs, decision conditioning): "core" (the core alone), or "added_to"
+    # (the model the diff is added to in the step: the core with the other
+    # diffs a composing step added, diff.compose_prob; the core alone when
+    # it added none).
+    keep_from: str = "core"
     # Task guard (dual ascent on a task constraint): each diff's removal
     # weight is scaled by exp(-backoff); the backoff rises while the diff's
     # running task accuracy on the training batches trails the core's by
@@ -620,6 +629,7 @@ def settings_from_config(
         ("target_mode", objectives.TARGET_MODES),
         ("condition_on", CONDITION_ON),
         ("task_target", TASK_TARGETS),
+        ("keep_from", KEEP_FROM),
     ):
         if fields[key] not in valid:
             raise ValueError(

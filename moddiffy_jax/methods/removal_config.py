@@ -110,6 +110,14 @@ def config_fields() -> ml_collections.ConfigDict:
     # gold labels ask for the calibrated posterior, which holds them
     # (benchmarks/synthetic_bayes.py: the posterior alone leaks everything).
     f.task_target = "gold"
+    # Whose prediction the debias steps' core-reading terms keep (the task
+    # distill, task_target "core_decision", swap_distill, the pivotal pairs,
+    # decision conditioning): "core", or "added_to": the model the diff is
+    # added to in the step (the core plus the other diffs a composing step
+    # added with diff.compose_prob; the core where it added none), so a diff
+    # trained beside another is not asked to give back the decision the
+    # other's removal changed (docs/efficacy.md, "Stop 66").
+    f.keep_from = "core"
     # Task guard: each diff's removal weight backs off (down to 1 %) while the
     # diff's running accuracy on the training batches trails the core's by
     # more than the slack, and comes back while it does not (dual ascent on
@@ -268,6 +276,7 @@ LATER_FIELDS = (
     ("mmd_whiten_within", "cell"),
     ("task_distill", 0.0),
     ("task_target", "gold"),
+    ("keep_from", "core"),
     ("task_guard", False),
     ("task_guard_slack", 0.01),
     ("task_guard_rate", 1.0),
