@@ -452,7 +452,8 @@ def resolve_objective(
         # falls short, the prefixes need no reading (dwmw17: 2 fits, not 62).
         most = _read_groups(dataset, attr, groups, attr_classes, swaps.method, True)
         read, budget, choice = most.reads[-1], "", None
-        if read.closed >= need:
+        # swap_target 0 swaps every group: that read is the one to judge.
+        if read.closed >= need and swaps.method.swap_target > 0.0:
             choice = _read_groups(dataset, attr, groups, attr_classes, swaps.method)
             if found is not None:
                 found[attr] = (groups, choice)

@@ -213,6 +213,21 @@ def test_auto_keeps_the_mmd_recipe_where_the_swaps_fall_short_and_says_why():
     assert named.config.method.objective == "mmd" and named.objective_choice is None
 
 
+def test_auto_with_every_group_judges_the_every_group_read():
+    """``swap_target=0`` asks the swaps for every counterpart group: auto
+    judges that read (it used to read the fewest groups that close a share
+    0 of the gap, one group, and fall back to MMD on it), and the run swaps
+    every group."""
+    config = _par_config(
+        **{"method.swap_target": 0.0, "method.auto_keep": "method.swap_target"}
+    )
+    ctx = train.build_context(config)
+    assert ctx.config.method.objective == "swap", ctx.objective_choice
+    assert ctx.config.method.swap_target == 0.0
+    for attr, read in ctx.objective_choice["reads"].items():
+        assert read["groups"] == read["of"] == len(ctx.swap_groups[attr]), attr
+
+
 def test_auto_keeps_the_swap_fields_a_run_set():
     """objective=auto applies the swap preset after the command line's
     overrides: a field set away from the method's default keeps its value,
