@@ -686,12 +686,13 @@ def make_debias_loss(
         )
         # The core's task log-probabilities (no gradient) for the distill and
         # decision conditioning; "added_to": with the diffs this step added.
-        base = (seen, seen_frozen) if debias.keep_from == "added_to" else None
+        added_to = debias.keep_from == "added_to"
+        teacher = (seen, seen_frozen) if added_to else (trainable, frozen)
         core_prediction = functools.partial(
             _core_prediction,
             model,
             method,
-            *(base or (trainable, frozen)),
+            *teacher,
             batch=batch,
             phase=phase,
             settings=diff_settings,
