@@ -443,27 +443,47 @@ def apply_diffs(
         raise ValueError(f"Got {len(weights)} weights for {len(diffs)} diffs.")
     _check_alone(diffs)
     flat_base = flatten(base)
-    updated: dict[str, jax.Array] = {}
-    for k, diff in enumerate(diffs):
+    for diff in diffs:
         _check_shapes(diff, flat_base)
-        for p, _ in diff.shapes:
-            leaf = updated[p] if p in updated else jnp.asarray(flat_base[p])
-            vals = diff.values[p]
-            if weights is not None:
-                vals = vals * weights[k]
+    touched = {p for diff in diffs for p, _ in diff.shapes}
+    if not touched:
+        return base
+    leaves = {p: jnp.asarray(flat_base[p]) for p in touched}
+    parts = [(diff.indices, diff.values) for diff in diffs]
+    w = weights
+    if w is not None and not isinstance(w, jax.Array):
+        w = np.asarray(w, np.float32)  # a list through jnp would lower a program
+    return merge(base, unflatten(_scatter_diffs(leaves, parts, w)))
+
+
+@jax.jit
+def _scatter_diffs(
+    leaves: dict[str, jax.Array],
+    parts: list[tuple[dict[str, jax.Array], dict[str, jax.Array]]],
+    weights: jax.Array | None,
+) -> dict[str, jax.Array]:
+    """The touched ``leaves`` with each diff's ``(indices, values)`` scatter-
+    added in order (``weights[k]`` times the k-th diff's values). One
+    program for the whole composition: called eagerly, applying two 1%
+    diffs to MiniLM compiled about 300 single-operation programs, one per
+    operation, leaf shape and nnz (29 s on first use in a fresh process on
+    2 cores; stop 67, docs/speed.md); inside a caller's jit it is inlined."""
+    out = dict(leaves)
+    for k, (indices, values) in enumerate(parts):
+        for p, idx in indices.items():
+            leaf = out[p]
+            vals = values[p] if weights is None else values[p] * weights[k]
             flat = (
                 leaf.reshape(-1)
-                .at[diff.indices[p]]
+                .at[idx]
                 .add(
                     vals.astype(leaf.dtype),
                     indices_are_sorted=True,
                     unique_indices=True,
                 )
             )
-            updated[p] = flat.reshape(leaf.shape)
-    if not updated:
-        return base
-    return merge(base, unflatten(updated))
+            out[p] = flat.reshape(leaf.shape)
+    return out
 
 
 def _check_alone(diffs: Sequence[SparseDiff]) -> None:
