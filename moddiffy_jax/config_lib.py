@@ -576,7 +576,13 @@ SWAP_PRESET_FIELDS = (
     "method.task_guard",
     "method.task_guard_slack",
     "method.task_guard_start_share",
+    "optim.warmup_steps",
 )
+
+#: MoDDiffy-par's swap recipe: every learning rate ramps up linearly over the
+#: first this many updates of each phase (where each phase has more than
+#: twice as many; docs/efficacy.md, "Stop 67").
+SWAP_WARMUP = 20
 
 
 def swap_preset(c: ml_collections.ConfigDict, keep_changed: bool = False) -> None:
@@ -592,6 +598,11 @@ def swap_preset(c: ml_collections.ConfigDict, keep_changed: bool = False) -> Non
     ("Stop 51": age's removal nearly doubled at the same cost over nine
     paired runs; the guard keeps one run's gender diff from collapsing to a
     constant predictor and leaves runs it does not act on bit for bit).
+    Where each phase has more than 40 updates, every learning rate warms up
+    linearly over the first :data:`SWAP_WARMUP` updates of each phase
+    ("Stop 67": at full rate from step 0 the dense diffs of one training
+    seed left the task within 20 steps, at chance through the L0 phase,
+    and their removal was lost at the cut to the budget).
 
     ``keep_changed`` (``auto``, applied after the command line's overrides):
     a swap field the run set away from the method's default, or named in
@@ -611,6 +622,8 @@ def swap_preset(c: ml_collections.ConfigDict, keep_changed: bool = False) -> Non
                     "method.task_guard_start_share": 2 / 3,
                 }
             )
+        if _phases_longer_than(c, 2 * SWAP_WARMUP):
+            preset["optim.warmup_steps"] = SWAP_WARMUP
     kept = {k.strip() for k in c.method.get("auto_keep", "").split(",") if k.strip()}
     unknown = sorted(kept - set(SWAP_PRESET_FIELDS))
     if unknown:
@@ -627,6 +640,16 @@ def swap_preset(c: ml_collections.ConfigDict, keep_changed: bool = False) -> Non
             c[group][name] == default[group][name] and dotted not in kept
         ):
             c[group][name] = value
+
+
+def _phases_longer_than(c: ml_collections.ConfigDict, updates: int) -> bool:
+    """Whether each of a diff run's two phases has more than ``updates``
+    optimizer updates (a phase given in epochs counts as long)."""
+    train = c.train
+    if any(float(train.get(e, 0.0)) > 0 for e in ("l0_epochs", "fixmask_epochs")):
+        return True
+    k = int(c.optim.get("accumulate", 1))
+    return min(int(train.l0_steps), int(train.fixmask_steps)) // k > updates
 
 
 def experiment_config(

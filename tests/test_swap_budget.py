@@ -245,6 +245,8 @@ def test_auto_keeps_the_swap_fields_a_run_set():
     assert resolved.method.swap_gap_reference == 0.075
     assert resolved.method.task_guard and resolved.method.task_guard_slack == 0.1
     assert resolved.method.task_guard_start_share == pytest.approx(2 / 3)
+    # The tiny phases (4 + 3 steps) are too short for the warm-up.
+    assert resolved.optim.warmup_steps == 0
     # objective=swap (before the overrides) sets every field.
     config_lib.swap_preset(resolved)
     assert resolved.method.swap_target == 0.75 and resolved.diff.compose_prob == 0.5
@@ -274,6 +276,17 @@ def test_auto_keeps_a_swap_field_the_command_line_set_to_its_default():
     config_lib.swap_preset(resolved, keep_changed=True)
     assert resolved.diff.compose_prob == 0.0
     assert resolved.method.swap_weight == 10.0
+    # README command 1's phases (150 + 75 steps) warm up over 20 updates
+    # (stop 67), unless the command line set the warm-up, also to 0.
+    assert resolved.optim.warmup_steps == config_lib.SWAP_WARMUP == 20
+    argv_0 = [*argv[:2], "--config.optim.warmup_steps=0", argv[-1]]
+    fv_0 = flags.FlagValues()
+    main.define_flags(fv_0, argv_0)
+    fv_0(argv_0)
+    main.keep_command_line_swaps(fv_0)
+    kept = fv_0.config.copy_and_resolve_references()
+    config_lib.swap_preset(kept, keep_changed=True)
+    assert kept.optim.warmup_steps == 0 and kept.diff.compose_prob == 0.5
     # Without the record the preset replaces the default-valued field.
     with resolved.unlocked():
         resolved.method.auto_keep = ""
