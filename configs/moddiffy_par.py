@@ -29,6 +29,11 @@ data sample (data.seed=2, one run) it misses: gender at -2.4 points, age
 term by its read gap and guards the task (docs/efficacy.md, "Stop 51"):
 seed 0 gender 0.83 / 0.93 at -1.2, age 0.76 / 0.75 at -1.9, core + both
 0.73 / 0.76 and 0.63 / 0.62 at -2.2 (floors 0.892, 0.748; chance 0.5).
+Since stop 67 the swap recipe warms every learning rate up over the
+first 20 updates of each phase (docs/efficacy.md, "Stop 67"): over
+training seeds 0-2 every diff closes 0.74-1.03 of its gap under the
+attacker, linear and converged MLP probes, alone and in core + both, at
+1.1-1.9 points for gender, 1.5-2.5 for age and 2.3-2.9 for both.
 Measured with the MMD recipe (2-core CPU, 2026-11-24, stop 14; scikit-learn probes of the
 standardized representations; BENCHMARKS.md, docs/efficacy.md): over
 training seeds 0, 1, 2 the gender diff closes 0.59 ± 0.33 / 0.81 ± 0.26
