@@ -444,6 +444,9 @@ def test_no_retrace_when_swapping_diffs():
         out_a["encoder"]["layer_0"]["kernel"], out_b["encoder"]["layer_0"]["kernel"]
     )
     assert_trees_bitwise_equal(out_a, dm.apply_diffs(base, [da], [1.0]))
+    # A list of traced scalars as the weights, as a caller's jit passes them.
+    scaled = jax.jit(lambda b, s: dm.apply_diffs(b, [da, db], [s, -s]))(base, 0.5)
+    assert_trees_bitwise_equal(scaled, dm.apply_diffs(base, [da, db], [0.5, -0.5]))
     # Same name: swapping values alone needs no metadata stripping.
     dc = dm.prune_to_sparsity(dm.dense_diff_values(state_b), name="gender", **kw)
     chex.clear_trace_counter()

@@ -452,7 +452,13 @@ def apply_diffs(
     parts = [(diff.indices, diff.values) for diff in diffs]
     w = weights
     if w is not None and not isinstance(w, jax.Array):
-        w = np.asarray(w, np.float32)  # a list through jnp would lower a program
+        # Numbers to one host array (through jnp a list lowers a program of
+        # its own); a sequence holding arrays (a caller's traced scalars)
+        # goes in as it is.
+        if any(isinstance(x, jax.Array) for x in w):
+            w = list(w)
+        else:
+            w = np.asarray(w, np.float32)
     return merge(base, unflatten(_scatter_diffs(leaves, parts, w)))
 
 
