@@ -443,6 +443,9 @@ def test_the_swap_recipes_task_guard_leaves_a_step_it_does_not_act_on_unchanged(
     )
     assert on[0].debias.task_guard and on[0].debias.task_guard_start == 3
     assert on[0].debias.swap_weight > 0 and not off[0].debias.task_guard
+    # The recipe's decision-keeping forms reach the debias steps (stop 68).
+    assert on[0].debias.swap_keep_pivotal and on[0].debias.swap_distill == 3.0
+    assert on[0].debias.keep_from == "added_to"
     new = []
     for _ctx, substeps, state, frozen, batch in (on, off):
         step = jax.jit(common.make_train_step(substeps))

@@ -247,6 +247,9 @@ def test_auto_keeps_the_swap_fields_a_run_set():
     assert resolved.method.task_guard_start_share == pytest.approx(2 / 3)
     # The tiny phases (4 + 3 steps) are too short for the warm-up.
     assert resolved.optim.warmup_steps == 0
+    # Each diff keeps the decision of what it is added to (stop 68).
+    assert resolved.method.swap_distill == 3.0 and resolved.method.swap_keep_pivotal
+    assert resolved.method.keep_from == "added_to"
     # objective=swap (before the overrides) sets every field.
     config_lib.swap_preset(resolved)
     assert resolved.method.swap_target == 0.75 and resolved.diff.compose_prob == 0.5
@@ -287,6 +290,24 @@ def test_auto_keeps_a_swap_field_the_command_line_set_to_its_default():
     kept = fv_0.config.copy_and_resolve_references()
     config_lib.swap_preset(kept, keep_changed=True)
     assert kept.optim.warmup_steps == 0 and kept.diff.compose_prob == 0.5
+    # The decision-keeping forms (stop 68): set, unless the command line
+    # named them, also at the method's defaults.
+    assert resolved.method.keep_from == "added_to" and resolved.method.swap_distill == 3
+    argv_k = [
+        *argv[:2],
+        "--config.method.keep_from=core",
+        "--config.method.swap_distill=0",
+        "--config.method.swap_keep_pivotal=false",
+        argv[-1],
+    ]
+    fv_k = flags.FlagValues()
+    main.define_flags(fv_k, argv_k)
+    fv_k(argv_k)
+    main.keep_command_line_swaps(fv_k)
+    off = fv_k.config.copy_and_resolve_references()
+    config_lib.swap_preset(off, keep_changed=True)
+    assert off.method.keep_from == "core" and off.method.swap_distill == 0.0
+    assert not off.method.swap_keep_pivotal and off.optim.warmup_steps == 20
     # Without the record the preset replaces the default-valued field.
     with resolved.unlocked():
         resolved.method.auto_keep = ""

@@ -244,7 +244,8 @@ def config_fields() -> ml_collections.ConfigDict:
     # decision alone: 0.89 of its gap closed at no task cost (benchmarks/
     # synthetic_bayes.py). Trained on three held-out samples (docs/
     # efficacy.md, "Stop 48"): within the default's spread, core + both no
-    # better; off.
+    # better; off here, on in MoDDiffy-par's swap recipe since stop 68 (with
+    # swap_distill and keep_from "added_to": config_lib.SWAP_KEEP).
     f.swap_keep_pivotal = False
     # > 0: each debias step also adds the KL from the core's task prediction
     # (no diff, no gradient) to the diff's, with this weight, over the rows
@@ -252,7 +253,8 @@ def config_fields() -> ml_collections.ConfigDict:
     # the attribute through words the swap did not choose). Measured at 3
     # on three held-out samples (docs/efficacy.md, "Stop 48"): age's cost
     # down 0.6-1.0 points, its removal down to a third of the gap, core +
-    # both's gender removal lost; off.
+    # both's gender removal lost (the core as the teacher); off here, 3 in
+    # MoDDiffy-par's swap recipe since stop 68 (config_lib.SWAP_KEEP).
     f.swap_distill = 0.0
     # True (with diff.compose_prob > 0): when a debias step adds another
     # attribute's diff, its twin also swaps that attribute's words, so this
