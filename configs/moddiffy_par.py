@@ -34,6 +34,12 @@ first 20 updates of each phase (docs/efficacy.md, "Stop 67"): over
 training seeds 0-2 every diff closes 0.74-1.03 of its gap under the
 attacker, linear and converged MLP probes, alone and in core + both, at
 1.1-1.9 points for gender, 1.5-2.5 for age and 2.3-2.9 for both.
+Since stop 68 each diff keeps the decision of the model it is added to
+(swap_distill 3, swap_keep_pivotal, keep_from "added_to";
+docs/efficacy.md, "Stop 68"): over training seeds 0-2 and data sample 1,
+gender at 1.0-1.3 points, age at 1.1-2.4 (0.62-0.79 of its gap), core +
+both removing both (0.51-0.90) at 2.0-2.5; age misses the 2-point bar
+on seed 2 and data sample 1.
 Measured with the MMD recipe (2-core CPU, 2026-11-24, stop 14; scikit-learn probes of the
 standardized representations; BENCHMARKS.md, docs/efficacy.md): over
 training seeds 0, 1, 2 the gender diff closes 0.59 ± 0.33 / 0.81 ± 0.26
