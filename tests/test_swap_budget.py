@@ -282,30 +282,27 @@ def test_auto_keeps_a_swap_field_the_command_line_set_to_its_default():
     # README command 1's phases (150 + 75 steps) warm up over 20 updates
     # (stop 67), unless the command line set the warm-up, also to 0.
     assert resolved.optim.warmup_steps == config_lib.SWAP_WARMUP == 20
-    argv_0 = [*argv[:2], "--config.optim.warmup_steps=0", argv[-1]]
-    fv_0 = flags.FlagValues()
-    main.define_flags(fv_0, argv_0)
-    fv_0(argv_0)
-    main.keep_command_line_swaps(fv_0)
-    kept = fv_0.config.copy_and_resolve_references()
-    config_lib.swap_preset(kept, keep_changed=True)
+
+    def preset_after(*overrides):  # the recipe over these command-line values
+        given = [*argv[:2], *overrides, argv[-1]]
+        values = flags.FlagValues()
+        main.define_flags(values, given)
+        values(given)
+        main.keep_command_line_swaps(values)
+        config = values.config.copy_and_resolve_references()
+        config_lib.swap_preset(config, keep_changed=True)
+        return config
+
+    kept = preset_after("--config.optim.warmup_steps=0")
     assert kept.optim.warmup_steps == 0 and kept.diff.compose_prob == 0.5
     # The decision-keeping forms (stop 68): set, unless the command line
     # named them, also at the method's defaults.
     assert resolved.method.keep_from == "added_to" and resolved.method.swap_distill == 3
-    argv_k = [
-        *argv[:2],
+    off = preset_after(
         "--config.method.keep_from=core",
         "--config.method.swap_distill=0",
         "--config.method.swap_keep_pivotal=false",
-        argv[-1],
-    ]
-    fv_k = flags.FlagValues()
-    main.define_flags(fv_k, argv_k)
-    fv_k(argv_k)
-    main.keep_command_line_swaps(fv_k)
-    off = fv_k.config.copy_and_resolve_references()
-    config_lib.swap_preset(off, keep_changed=True)
+    )
     assert off.method.keep_from == "core" and off.method.swap_distill == 0.0
     assert not off.method.swap_keep_pivotal and off.optim.warmup_steps == 20
     # Without the record the preset replaces the default-valued field.
