@@ -193,6 +193,11 @@ def test_the_read_switches_an_attribute_past_its_floor_to_the_core_decision():
             for k in ref:
                 np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-7)
     assert want_kept["swap/gender"] < want["gender"]["swap/gender"]
+    # With the pivotal pairs (the swap recipe's default since stop 68) the
+    # switch still frees the decision directions on every row.
+    pivotal = dataclasses.replace(ctx.debias, swap_keep_pivotal=True)
+    got = terms("gender", pivotal, _own_tables(switched))["swap/gender"]
+    np.testing.assert_allclose(got, want_kept["swap/gender"], rtol=1e-5, atol=1e-7)
 
 
 def test_the_read_sets_each_attributes_swap_weight():

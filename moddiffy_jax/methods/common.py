@@ -699,24 +699,23 @@ def make_debias_loss(
         )
         core_on_batch = functools.cache(core_prediction)  # one pass per trace
 
-        def distill(weight):  # the mean KL from the core's prediction
+        def distill(weight, teacher=core_on_batch):  # the mean KL from it
             every = jnp.ones(logits.shape[:1], bool)
-            return weight * objectives.kl_where(core_on_batch(), logits, every)
+            return weight * objectives.kl_where(teacher(), logits, every)
 
         if own.task_distill > 0.0:
             terms["distill"] = distill(own.task_distill)
         if own.task_target == "core_decision":  # not the gold labels
             labels = jnp.argmax(core_on_batch(), -1).astype(batch["task"].dtype)
-            terms["task"] = task_loss_value(
-                task_loss, logits, {**batch, "task": labels}
-            )
+            terms["task"] = task_loss_value(task_loss, logits, dict(batch, task=labels))
         # 1 once methods/swap_reread.py switched the attribute to keeping the
-        # core's decision (swap_reread_mode "decision"; the core runs then).
+        # core's decision (swap_reread_mode "decision"; the core runs then,
+        # uncached: a value cached in the branch's trace would leak).
         switched = frozen.get(swap_reread.KEEP_KEY, {}).get(attribute)
         if switched is not None and own.swap_keep_distill > 0.0:
             terms["distill_kept"] = jax.lax.cond(
                 switched > 0.0,
-                lambda: distill(own.swap_keep_distill),
+                lambda: distill(own.swap_keep_distill, core_prediction),
                 lambda: jnp.zeros((), jnp.float32),
             )
         anchor = None
@@ -766,9 +765,10 @@ def make_debias_loss(
                 kl = objectives.kl_where(core_on_batch(), logits, ~changed)
                 terms["distill_unswapped"] = own.swap_distill * kl
             keep = decision(h) if own.swap_keep_task else None
-            if own.swap_keep_pivotal:  # only where the swap moves the core
+            if own.swap_keep_pivotal:  # where the swap moves it, or switched
                 twin = core_prediction(batch={**batch, "input_ids": swapped})
                 moved = objectives.decision_moved(core_on_batch(), twin)
+                moved = jnp.maximum(moved, 0.0 if switched is None else switched)
                 keep = decision(h) * moved[:, None, None]
             if keep is None and switched is not None:  # 0: no direction kept
                 keep = decision(h) * switched
