@@ -9,7 +9,7 @@ import pytest
 
 from moddiffy_jax import objectives, train
 from moddiffy_jax.data import synthetic
-from moddiffy_jax.methods import common
+from moddiffy_jax.methods import common, conditioning
 from moddiffy_jax.models import bert
 from tests.helpers import tiny
 from tests.test_substeps import _first_step
@@ -392,6 +392,40 @@ def test_keep_pivotal_keeps_the_decision_only_where_the_swap_moves_it():
     )
     assert term(*fixed, swap_keep_pivotal=True) == pytest.approx(term(*fixed), rel=1e-6)
     assert term(*fixed, swap_keep_task=True) < term(*fixed)
+
+
+def test_the_teachers_batch_and_twin_reads_are_one_pass_of_the_same_rows():
+    """``conditioning.teacher_passes``: the teacher's reads on the batch and
+    on its twin come from one pass over the two stacked, and equal two
+    separate passes row for row (padding rows included)."""
+    ctx, _, state, frozen, batch = _first_step(
+        "moddiffy_par", **{"method.swap_weight": 1.0}
+    )
+    ids = np.asarray(batch["input_ids"])
+    twin_ids = ctx.swap_tables["gender"][ids]
+    assert np.any(twin_ids != ids) and np.any(np.asarray(batch["attention_mask"]) == 0)
+    calls = []
+
+    def predict(batch):
+        calls.append(batch["input_ids"].shape[0])
+        return common._core_prediction(
+            ctx.model,
+            ctx.method,
+            state.trainable,
+            frozen,
+            batch,
+            phase="l0",
+            settings=ctx.diff_settings,
+        )
+
+    on_batch, on_twin = conditioning.teacher_passes(predict, batch, twin_ids)
+    got_batch, got_twin = on_batch(), on_twin()
+    assert calls == [2 * ids.shape[0]]  # one pass, read twice
+    np.testing.assert_allclose(got_batch, predict(batch), rtol=1e-5, atol=1e-6)
+    alone = predict({**batch, "input_ids": jnp.asarray(twin_ids)})
+    np.testing.assert_allclose(got_twin, alone, rtol=1e-5, atol=1e-6)
+    only, none = conditioning.teacher_passes(predict, batch)
+    assert none is None and only() is only()
 
 
 def test_kl_where_averages_over_the_chosen_rows_only():

@@ -39,7 +39,7 @@ import optax
 
 from moddiffy_jax import objectives
 from moddiffy_jax.methods import attribute_weights, removal, swap_reread, table_adam
-from moddiffy_jax.methods.conditioning import conditioning_labels
+from moddiffy_jax.methods.conditioning import conditioning_labels, teacher_passes
 
 # Diff parts and their settings live in diff_parts.py; importable here too.
 from moddiffy_jax.methods.diff_parts import (
@@ -697,7 +697,17 @@ def make_debias_loss(
             phase=phase,
             settings=diff_settings,
         )
-        core_on_batch = functools.cache(core_prediction)  # one pass per trace
+        swapped = None  # the twin: the attribute's counterpart tokens swapped
+        if swap is not None:  # (the step's own tables where it has them)
+            ids, inputs = batch["input_ids"], frozen.get("swap_tables", {})
+            swapped = inputs.get(attribute, swap)[ids]
+            for other, table in other_swaps.items():
+                table = inputs.get(other, table)
+                swapped = jnp.where(present[other], table[swapped], swapped)
+        pivotal = swapped is not None and own.swap_keep_pivotal
+        core_on_batch, core_on_twin = teacher_passes(  # one pass per trace
+            core_prediction, batch, swapped if pivotal else None
+        )
 
         def distill(weight, teacher=core_on_batch):  # the mean KL from it
             every = jnp.ones(logits.shape[:1], bool)
@@ -747,16 +757,7 @@ def make_debias_loss(
             task=conditioning_labels(debias, batch, logits, core=core_on_batch),
             anchor=anchor,
         )
-        if swap is not None:
-            # The batch's twin with the attribute's counterpart tokens
-            # swapped, under the same params and dropout masks.
-            ids = batch["input_ids"]
-            # The step's own tables where it has them (methods/swap_reread.py).
-            inputs = frozen.get("swap_tables", {})
-            swapped = inputs.get(attribute, swap)[ids]
-            for other, table in other_swaps.items():
-                table = inputs.get(other, table)
-                swapped = jnp.where(present[other], table[swapped], swapped)
+        if swapped is not None:  # the twin under the same params and dropout
             h_swapped = represent({**batch, "input_ids": swapped})
             if not debias.swap_twin_gradient:
                 h_swapped = jax.lax.stop_gradient(h_swapped)
@@ -765,9 +766,8 @@ def make_debias_loss(
                 kl = objectives.kl_where(core_on_batch(), logits, ~changed)
                 terms["distill_unswapped"] = own.swap_distill * kl
             keep = decision(h) if own.swap_keep_task else None
-            if own.swap_keep_pivotal:  # where the swap moves it, or switched
-                twin = core_prediction(batch={**batch, "input_ids": swapped})
-                moved = objectives.decision_moved(core_on_batch(), twin)
+            if pivotal:  # where the swap moves it, or switched
+                moved = objectives.decision_moved(core_on_batch(), core_on_twin())
                 moved = jnp.maximum(moved, 0.0 if switched is None else switched)
                 keep = decision(h) * moved[:, None, None]
             if keep is None and switched is not None:  # 0: no direction kept

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,3 +32,30 @@ def conditioning_labels(
             )
         logits = core()
     return jnp.argmax(jax.lax.stop_gradient(logits), -1).astype(batch["task"].dtype)
+
+
+def teacher_passes(
+    predict: Callable[..., jax.Array],
+    batch: Mapping[str, Any],
+    twin_ids: jax.Array | None = None,
+) -> tuple[Callable[[], jax.Array], Callable[[], jax.Array] | None]:
+    """Lazy, once-per-trace reads of the teacher's log-probabilities
+    (``predict(batch=...)``: an eval-mode pass, rows independent) on the
+    batch and, with ``twin_ids`` ([B, T] token ids), on the batch's twin.
+
+    With a twin the two reads are one pass over the batch stacked on its
+    twin (2B rows): the same rows' numbers as two passes, one encoder in
+    the traced program instead of two (a shorter compile)."""
+    if twin_ids is None:
+        return functools.cache(lambda: predict(batch=batch)), None
+    n = twin_ids.shape[0]
+
+    def stacked(x):
+        if not hasattr(x, "shape") or not x.shape or x.shape[0] != n:
+            return x
+        return jnp.concatenate([x, x], axis=0)
+
+    both = {k: jax.tree_util.tree_map(stacked, v) for k, v in batch.items()}
+    both["input_ids"] = jnp.concatenate([batch["input_ids"], twin_ids], axis=0)
+    pair = functools.cache(lambda: predict(batch=both))
+    return (lambda: pair()[:n]), (lambda: pair()[n:])
