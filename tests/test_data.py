@@ -429,6 +429,25 @@ def test_trim_padding_drops_only_padding(tokenizer):
     )
     assert data.trim_padding(edge) is edge
     assert data.padded_length(padded, multiple=1) == used
+    # config.data.trim_multiple=1 (size_for_cpu): the longest example's length.
+    c.trim_multiple = 1
+    assert data.build_dataset(c, tokenizer).max_length == used < trimmed.max_length
+    c.trim_multiple = 0
+    with pytest.raises(ValueError, match="config.data.trim_multiple=0"):
+        data.build_dataset(c, tokenizer)
+
+
+def test_cpu_sized_text_runs_trim_to_the_longest_example():
+    """size_for_cpu cuts padding to the longest example (README command 1's
+    config among them); the accelerator-sized and tiny configs keep 8."""
+    from moddiffy_jax import config_lib
+
+    def multiple(arg):
+        return config_lib.experiment_config("moddiffy_par", arg).data.trim_multiple
+
+    assert multiple(None) == multiple("data=dwmw17") == 1
+    assert multiple("model=tiny") == 8
+    assert data.default_data_config().trim_multiple == 8
 
 
 def test_tokenize_pairs_and_truncation(tokenizer):

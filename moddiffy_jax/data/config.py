@@ -76,6 +76,10 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.splits = ("train", "dev", "test")
     c.max_length = 64
     c.trim_padding = True
+    # trim_padding rounds the kept length up to a multiple of this (8: the
+    # lanes accelerators' kernels tile by; 1: the longest example's length,
+    # size_for_cpu's choice: on a CPU every padded column is work).
+    c.trim_multiple = 8
     c.max_examples_per_split = placeholder(int)
     c.attributes = ()
     c.task_classes = ()
@@ -193,7 +197,14 @@ def build_dataset(
     text = load_text_dataset(data_config)
     tokenized = tokenize_dataset(text, tokenizer, max_length=data_config.max_length)
     if data_config.get("trim_padding", False):  # absent: a run made before it
-        tokenized = trim_padding(tokenized)
+        multiple = data_config.get("trim_multiple", 8)
+        if not isinstance(multiple, int) or multiple < 1:
+            raise ValueError(
+                f"config.data.trim_multiple={multiple!r}: the kept token length "
+                "is rounded up to a multiple of it; use a whole number >= 1 "
+                "(8 on accelerators, 1 on a CPU)."
+            )
+        tokenized = trim_padding(tokenized, multiple=multiple)
     extras = {s: split.extras for s, split in text.splits.items() if split.extras}
     return dataset_with_extras(tokenized, extras).replace(
         bias_summary=dict(text.bias_summary), train_originals=text.train_originals
