@@ -283,6 +283,39 @@ def test_fused_dropout_is_flax_dropout(tiny, monkeypatch):
         np.testing.assert_array_equal(o, t)
 
 
+def test_cls_only_gives_the_whole_pass_cls_vector(tiny):
+    """``cls_only``: the last layer computes the [CLS] position alone; its
+    vector, the pooler and the gradients are the whole pass's (to rounding)
+    in eval mode and with dropout (the same masks), unrolled and scanned."""
+    config, params = tiny
+    assert config.hidden_dropout_prob > 0 and config.attention_probs_dropout_prob > 0
+    b = tiny_batch(config)
+    ids, mask = jnp.asarray(b["input_ids"]), jnp.asarray(b["attention_mask"])
+    drop = {"deterministic": False, "rngs": {"dropout": key(5)}}
+
+    def cls(p, scan, cls_only, **kw):
+        module = bert.BertEncoder(config, scan_layers=scan)
+        out = module.apply({"params": p}, ids, mask, cls_only=cls_only, **kw)
+        assert out.last_hidden_state.shape[1] == (1 if cls_only else ids.shape[1])
+        return out.last_hidden_state[:, 0], out.pooler_output
+
+    for scan in (False, True):
+        for kw in ({}, drop):
+            whole, cut = cls(params, scan, False, **kw), cls(params, scan, True, **kw)
+            for w, c in zip(whole, cut, strict=True):
+                np.testing.assert_allclose(c, w, atol=1e-5)
+        on = cls(params, scan, True, **drop)[0]
+        assert not np.allclose(on, cls(params, scan, True)[0])  # dropout on
+
+        def loss(p, cls_only):
+            return jnp.sum(cls(p, scan, cls_only, **drop)[0] ** 2)  # noqa: B023
+
+        whole, cut = jax.grad(loss)(params, False), jax.grad(loss)(params, True)
+        scale = max(float(np.abs(w).max()) for w in jax.tree.leaves(whole))
+        for w, c in zip(jax.tree.leaves(whole), jax.tree.leaves(cut), strict=True):
+            np.testing.assert_allclose(c, w, atol=1e-5 * (1 + scale))
+
+
 def test_scanned_layers_match_unrolled(tiny):
     """``scan_layers`` runs one compiled layer body over stacked params: the
     same values and gradients as the unrolled stack, the same param tree."""

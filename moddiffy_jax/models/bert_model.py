@@ -47,6 +47,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from moddiffy_jax.models.adapter import BottleneckAdapter
 from moddiffy_jax.models.dropout import Dropout
 from moddiffy_jax.models.mixed_dot import dense_dot_general
 
@@ -384,10 +385,9 @@ class BertSelfAttention(nn.Module):
 
     def _fused(self, q, k, v, mask_bias, deterministic):
         check_attention(self.attention, self.config, deterministic)
-        length = q.shape[1]
-        # The key mask as booleans [B, 1, L, L]: cuDNN wants full query and
+        # The key mask as booleans [B, 1, Lq, L]: cuDNN wants full query and
         # key axes, and turns it into its own safe large negative bias.
-        keep = jnp.broadcast_to(mask_bias == 0, (q.shape[0], 1, length, length))
+        keep = jnp.broadcast_to(mask_bias == 0, (q.shape[0], 1, q.shape[1], k.shape[1]))
         return jax.nn.dot_product_attention(
             q,
             k,
@@ -397,17 +397,19 @@ class BertSelfAttention(nn.Module):
         )
 
     @nn.compact
-    def __call__(self, x, mask_bias, *, deterministic: bool):
-        """Attends ``x`` [B, L, H] to itself; ``mask_bias`` is [B, 1, 1, L] f32."""
+    def __call__(self, x, mask_bias, *, deterministic: bool, queries=None):
+        """Attends ``x`` [B, L, H] to itself (its first ``queries`` positions
+        only, where given); ``mask_bias`` is [B, 1, 1, L] f32."""
         cfg = self.config
-        batch, length, _ = x.shape
         heads, head_dim = cfg.num_attention_heads, cfg.head_dim
 
-        def project(name):
-            y = _dense(cfg, cfg.hidden_size, name, self.dtype, self.param_dtype)(x)
-            return y.reshape(batch, length, heads, head_dim)
+        def project(name, rows):
+            y = _dense(cfg, cfg.hidden_size, name, self.dtype, self.param_dtype)(rows)
+            return y.reshape(*rows.shape[:2], heads, head_dim)
 
-        q, k, v = project("query"), project("key"), project("value")
+        q = project("query", _first(x, queries))
+        k, v = project("key", x), project("value", x)
+        batch, length = q.shape[:2]
         if self.attention != "xla":
             return self._fused(q, k, v, mask_bias, deterministic).reshape(
                 batch, length, cfg.hidden_size
@@ -419,10 +421,20 @@ class BertSelfAttention(nn.Module):
         # large negative never overflows a bfloat16 range.
         probs = jax.nn.softmax(scores.astype(jnp.float32) + mask_bias, axis=-1)
         probs = Dropout(cfg.attention_probs_dropout_prob)(
-            probs.astype(self.dtype), deterministic=deterministic
+            probs.astype(self.dtype),
+            deterministic=deterministic,
+            **_full(2, x, queries),
         )
         context = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
         return context.reshape(batch, length, cfg.hidden_size)
+
+
+def _first(x, queries):  # x [B, L, ...] cut to its first queries positions
+    return x if queries is None else x[:, :queries]
+
+
+def _full(axis, x, queries):  # Dropout's full= for outputs cut to queries
+    return {} if queries is None else {"full": (axis, x.shape[1])}
 
 
 class _DenseDropoutLayerNorm(nn.Module):
@@ -433,10 +445,10 @@ class _DenseDropoutLayerNorm(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x, residual, *, deterministic: bool, adapter=None):
-        cfg = self.config
+    def __call__(self, x, residual, *, deterministic: bool, adapter=None, full=None):
+        cfg, full = self.config, full or {}
         h = _dense(cfg, cfg.hidden_size, "dense", self.dtype, self.param_dtype)(x)
-        h = Dropout(cfg.hidden_dropout_prob)(h, deterministic=deterministic)
+        h = Dropout(cfg.hidden_dropout_prob)(h, deterministic=deterministic, **full)
         if adapter is not None:
             h = adapter(h)
         return _layer_norm(cfg, self.dtype, self.param_dtype)(h + residual)
@@ -468,52 +480,17 @@ class BertAttention(nn.Module):
     attention: str = "xla"
 
     @nn.compact
-    def __call__(self, x, mask_bias, *, deterministic: bool):
+    def __call__(self, x, mask_bias, *, deterministic: bool, queries=None):
         kw = dict(config=self.config, dtype=self.dtype, param_dtype=self.param_dtype)
         context = BertSelfAttention(**kw, attention=self.attention, name="self")(
-            x, mask_bias, deterministic=deterministic
+            x, mask_bias, deterministic=deterministic, queries=queries
         )
         return _DenseDropoutLayerNorm(**kw, name="output")(
-            context, x, deterministic=deterministic
+            context,
+            _first(x, queries),
+            deterministic=deterministic,
+            full=_full(1, x, queries),
         )
-
-
-class BottleneckAdapter(nn.Module):
-    """Pfeiffer bottleneck adapter ``h + up(relu(down(h)))``.
-
-    ``up`` is zero-initialised, so a fresh adapter is the identity.
-
-    Attributes:
-      hidden_size: Input/output width ``H``.
-      bottleneck_size: Width of the bottleneck.
-    """
-
-    hidden_size: int
-    bottleneck_size: int
-    initializer_range: float = 0.02
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, h):
-        """Maps ``h`` [..., H] to [..., H]."""
-        down = nn.Dense(
-            self.bottleneck_size,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            kernel_init=nn.initializers.normal(self.initializer_range),
-            dot_general=dense_dot_general,
-            name="down",
-        )
-        up = nn.Dense(
-            self.hidden_size,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            kernel_init=nn.initializers.zeros,
-            dot_general=dense_dot_general,
-            name="up",
-        )
-        return h + up(nn.relu(down(h)))
 
 
 class BertLayer(nn.Module):
@@ -525,11 +502,13 @@ class BertLayer(nn.Module):
     attention: str = "xla"
 
     @nn.compact
-    def __call__(self, x, mask_bias, *, deterministic: bool):
+    def __call__(self, x, mask_bias, *, deterministic: bool, queries=None):
+        """``x`` [B, L, H] -> [B, L, H] (with ``queries``: [B, queries, H])."""
         cfg = self.config
         kw = dict(config=cfg, dtype=self.dtype, param_dtype=self.param_dtype)
+        full = _full(1, x, queries)
         x = BertAttention(**kw, attention=self.attention, name="attention")(
-            x, mask_bias, deterministic=deterministic
+            x, mask_bias, deterministic=deterministic, queries=queries
         )
         h = _DenseActivation(
             **kw,
@@ -548,7 +527,7 @@ class BertLayer(nn.Module):
                 name="adapter",
             )
         return _DenseDropoutLayerNorm(**kw, name="output")(
-            h, x, deterministic=deterministic, adapter=adapter
+            h, x, deterministic=deterministic, adapter=adapter, full=full
         )
 
 
@@ -572,7 +551,8 @@ class BertStack(nn.Module):
     attention: str = "xla"
 
     @nn.compact
-    def __call__(self, x, mask_bias, *, deterministic: bool):
+    def __call__(self, x, mask_bias, *, deterministic: bool, last_queries=None):
+        """``last_queries``: the last layer's outputs at that many positions."""
         n = self.config.num_hidden_layers
         kw = dict(
             config=self.config,
@@ -583,7 +563,10 @@ class BertStack(nn.Module):
         if not self.scan or n < 2 or self.is_initializing():
             for i in range(n):
                 x = BertLayer(**kw, name=f"layer_{i}")(
-                    x, mask_bias, deterministic=deterministic
+                    x,
+                    mask_bias,
+                    deterministic=deterministic,
+                    queries=last_queries if i == n - 1 else None,
                 )
             return x
         params = self.variables.get("params", {})
@@ -607,8 +590,15 @@ class BertStack(nn.Module):
             )
             return h, None
 
-        x, _ = jax.lax.scan(body, x, (stacked, keys))
-        return x
+        if last_queries is None:
+            x, _ = jax.lax.scan(body, x, (stacked, keys))
+            return x
+        rest = jax.tree.map(lambda a: a[:-1], (stacked, keys))
+        x, _ = jax.lax.scan(body, x, rest)
+        rngs = None if keys is None else {"dropout": keys[-1]}
+        p = {"params": jax.tree.map(lambda a: a[-1], stacked)}
+        kw = dict(deterministic=deterministic, queries=last_queries, rngs=rngs)
+        return layer.apply(p, x, mask_bias, **kw)
 
 
 class BertEncoder(nn.Module):
@@ -639,6 +629,7 @@ class BertEncoder(nn.Module):
         token_type_ids: jax.Array | None = None,
         *,
         deterministic: bool = True,
+        cls_only: bool = False,
     ) -> EncoderOutput:
         """Encodes a batch of token ids.
 
@@ -648,6 +639,9 @@ class BertEncoder(nn.Module):
           token_type_ids: ``[B, L]`` segment ids; zeros if None.
           deterministic: If False, dropout is applied and the ``"dropout"`` rng
             must be provided to ``apply``.
+          cls_only: The last layer computes the first position's output
+            alone (``last_hidden_state`` [B, 1, H]; [CLS] and the pooler as
+            the whole pass gives them, to rounding, with the same dropout).
 
         Returns:
           :class:`EncoderOutput` with ``last_hidden_state`` [B, L, H] and
@@ -676,9 +670,11 @@ class BertEncoder(nn.Module):
         # Additive key mask [B, 1, 1, L], float32 (added to float32 scores).
         keep = attention_mask.astype(jnp.bool_)[:, None, None, :]
         mask_bias = jnp.where(keep, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
-        x = BertStack(
+        stack = BertStack(
             **kw, scan=self.scan_layers, attention=self.attention, name="encoder"
-        )(x, mask_bias, deterministic=deterministic)
+        )
+        last = 1 if cls_only else None  # the last layer's [CLS] output alone
+        x = stack(x, mask_bias, deterministic=deterministic, last_queries=last)
         pooled = _DenseActivation(
             **kw, features=cfg.hidden_size, activation=jnp.tanh, name="pooler"
         )(x[:, 0])

@@ -50,7 +50,12 @@ class Dropout(nn.Module):
         inputs: jax.Array,
         deterministic: bool | None = None,
         rng: jax.Array | None = None,
+        full: tuple[int, int] | None = None,
     ) -> jax.Array:
+        """``full`` (``(axis, length)``): ``inputs`` are the leading positions
+        along ``axis`` of a tensor with ``length`` there, and get that
+        tensor's mask, cut (a layer that computes only its [CLS] outputs
+        drops what the whole layer would)."""
         deterministic = nn.merge_param(
             "deterministic", self.deterministic, deterministic
         )
@@ -62,9 +67,13 @@ class Dropout(nn.Module):
         if rng is None:
             rng = self.make_rng(self.rng_collection)
         shape = list(inputs.shape)
+        if full is not None:
+            shape[full[0]] = full[1]
         for dim in self.broadcast_dims:
             shape[dim] = 1
         # jax.random.bernoulli(rng, keep_prob, shape) is uniform(...) < keep_prob.
         mask = noise.uniform(rng, shape) < keep_prob
+        if full is not None and full[0] not in self.broadcast_dims:
+            mask = jax.lax.slice_in_dim(mask, 0, inputs.shape[full[0]], axis=full[0])
         mask = jnp.broadcast_to(mask, inputs.shape)
         return jax.lax.select(mask, inputs / keep_prob, jnp.zeros_like(inputs))

@@ -56,6 +56,7 @@ class TextModel:
             batch.get("token_type_ids"),
             deterministic=not train,
             rngs=rngs,
+            cls_only=True,  # the last layer's other positions: unread work
         )
         return out.last_hidden_state[:, 0].astype(jnp.float32)
 
