@@ -112,3 +112,19 @@ def bag_of_rows(params, split):
     """A stand-in encoder: the mean of the examples' word rows."""
     table = np.asarray(selection.flatten(params)[WORD_TABLE])
     return table[split.input_ids].mean(1)
+
+
+def core_prediction(ctx, trainable, frozen, batch):
+    """The core's task log-probabilities on ``batch`` (L0 phase, eval mode,
+    no diff): the debias losses' teacher."""
+    from moddiffy_jax.methods import common
+
+    return common._core_prediction(
+        ctx.model,
+        ctx.method,
+        trainable,
+        frozen,
+        batch,
+        phase="l0",
+        settings=ctx.diff_settings,
+    )

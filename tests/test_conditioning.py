@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from moddiffy_jax.methods import common, removal
+from tests.helpers import core_prediction
 from tests.test_substeps import _first_step
 
 
@@ -85,15 +86,7 @@ def _captured(condition_on, monkeypatch):
     # without the backward pass and the optimizer: a third of the compile.
     loss = common.stored_loss(gender)
     jax.jit(loss)(state.trainable, frozen, batch, jax.random.PRNGKey(3))
-    core = common._core_prediction(
-        ctx.model,
-        ctx.method,
-        state.trainable,
-        frozen,
-        batch,
-        phase="l0",
-        settings=ctx.diff_settings,
-    )
+    core = core_prediction(ctx, state.trainable, frozen, batch)
     return seen, batch, np.argmax(np.asarray(core), -1)
 
 

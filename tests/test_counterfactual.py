@@ -11,7 +11,7 @@ from moddiffy_jax import objectives, train
 from moddiffy_jax.data import synthetic
 from moddiffy_jax.methods import common, conditioning
 from moddiffy_jax.models import bert
-from tests.helpers import tiny
+from tests.helpers import core_prediction, tiny
 from tests.test_substeps import _first_step
 
 
@@ -408,15 +408,7 @@ def test_the_teachers_batch_and_twin_reads_are_one_pass_of_the_same_rows():
 
     def predict(batch):
         calls.append(batch["input_ids"].shape[0])
-        return common._core_prediction(
-            ctx.model,
-            ctx.method,
-            state.trainable,
-            frozen,
-            batch,
-            phase="l0",
-            settings=ctx.diff_settings,
-        )
+        return core_prediction(ctx, state.trainable, frozen, batch)
 
     on_batch, on_twin = conditioning.teacher_passes(predict, batch, twin_ids)
     got_batch, got_twin = on_batch(), on_twin()

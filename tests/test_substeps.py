@@ -12,7 +12,7 @@ import pytest
 
 from moddiffy_jax import train
 from moddiffy_jax.methods import common, removal
-from tests.helpers import tiny
+from tests.helpers import core_prediction, tiny
 
 
 def _first_step(method, phase="l0", arg="", **overrides):
@@ -67,15 +67,7 @@ def test_task_distill_term_reads_the_core_without_gradient():
     assert float(terms["distill"]) >= 0.0 and np.isfinite(float(terms["distill"]))
     # The teacher is the core without the diff, a distribution, and carries
     # no gradient.
-    teacher = common._core_prediction(
-        ctx.model,
-        ctx.method,
-        state.trainable,
-        frozen,
-        batch,
-        phase="l0",
-        settings=ctx.diff_settings,
-    )
+    teacher = core_prediction(ctx, state.trainable, frozen, batch)
     grad = jax.jit(
         jax.grad(
             lambda t: jnp.sum(
