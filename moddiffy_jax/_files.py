@@ -1,9 +1,15 @@
-"""Atomic writes: temporary files that get the permissions ``open`` would give."""
+"""Atomic writes: temporary files that get the permissions ``open`` would
+give; values made JSON-ready."""
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
 
 
 def _umask() -> int:
@@ -57,3 +63,19 @@ def replace_safetensors(
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def jsonable(obj: Any) -> Any:
+    """``obj`` with numpy values as Python ones (NaN as None), for JSON."""
+    if isinstance(obj, Mapping):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, (np.floating, float)):
+        value = float(obj)
+        return None if math.isnan(value) else value
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.ndarray):
+        return jsonable(obj.tolist())
+    return obj

@@ -42,12 +42,14 @@ def export_and_evaluate(
     frozen,
     phase: str,
     reps_out: dict | None = None,
+    parts_out: dict | None = None,
 ) -> dict:
     """Exports core, head and diffs (process 0 writes) and evaluates them.
 
     A finished run re-exports the same values when re-run (resume is exact),
     so replacing its own export files loses nothing. ``reps_out``, if given,
-    receives the composition table's representations
+    receives the composition table's representations and ``parts_out`` its
+    core's last-layer parts
     (:func:`~moddiffy_jax.eval.evaluator.composition_table`).
     """
     core, head = ctx.method.model(ctx, trainable, frozen)
@@ -61,7 +63,7 @@ def export_and_evaluate(
     splits = tuple(s for s in ("dev", "test") if s in ctx.data.splits)
     params_by_row: dict[str, Any] = {}
     rows = composition_table(
-        ctx, evaluator, core, head, sparse, splits, params_by_row, reps_out
+        ctx, evaluator, core, head, sparse, splits, params_by_row, reps_out, parts_out
     )
     ood = ood_and_bias(ctx, evaluator, rows, params_by_row, splits)
     if ood:

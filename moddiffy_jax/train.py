@@ -39,6 +39,7 @@ from moddiffy_jax import best as best_lib
 from moddiffy_jax import workdir as workdir_lib
 from moddiffy_jax.config_lib import resolve_epochs
 from moddiffy_jax.context import Context, build_context
+from moddiffy_jax.eval import discriminant_diff
 from moddiffy_jax.eval.during import evaluate_during
 from moddiffy_jax.eval.evaluator import Evaluator
 from moddiffy_jax.export import export_and_evaluate
@@ -410,9 +411,15 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     trainable, frozen, finished = method.finish(ctx, trainable, frozen, phases[-1])
     # The table's representations, which the leakage probes below reuse.
     reps = {} if config.eval.leakage and jax.process_index() == 0 else None
+    # The core's last-layer parts, from which the report's discriminant
+    # diffs are read without an encoder pass (eval/discriminant_diff.py).
+    wanted = discriminant_diff.wants_parts(
+        ctx.model, eval_options(config, "discriminant")
+    )
+    parts = {} if reps is not None and wanted else None
     table_start = time.time()
     results = export_and_evaluate(
-        ctx, evaluator, workdir, trainable, frozen, phases[-1], reps
+        ctx, evaluator, workdir, trainable, frozen, phases[-1], reps, parts
     )
     timings["export_and_table_s"] = time.time() - table_start
     if removal.TASK_GUARD in trainable:  # config.method.task_guard: where it ended
@@ -437,9 +444,9 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     results["train_wall_time_s"] = time.time() - wall_start
     if config.eval.leakage and jax.process_index() == 0:
         report_start = time.time()
-        results.update(_leakage(config, workdir, results, ctx.attributes, reps))
+        results.update(_leakage(config, workdir, results, ctx.attributes, reps, parts))
         timings["report_s"] = time.time() - report_start
-    del reps
+    del reps, parts
     results["wall_time_s"] = time.time() - wall_start
     results["timings"] = timings
     if jax.process_index() == 0:
@@ -611,7 +618,7 @@ def eval_options(config, name: str) -> dict[str, Any] | None:
 
 
 def _leakage(
-    config, workdir: Path, results: dict, attributes, reps=None
+    config, workdir: Path, results: dict, attributes, reps=None, parts=None
 ) -> dict[str, Any]:
     """Fresh probes of the exported run (``eval.composition.evaluate_run``;
     ``reps``: the representations the end-of-run table already encoded);
@@ -632,6 +639,7 @@ def _leakage(
         mlp=config.eval.get("probe_mlp", True),
         verify_inputs=False,  # checked when this run started
         known_reps=reps,
+        known_parts=parts,
         token_merge=eval_options(config, "token_merge"),
         strength=eval_options(config, "strength"),
         task_only=eval_options(config, "task_only"),

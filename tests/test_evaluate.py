@@ -4,6 +4,7 @@ import concurrent.futures
 import json
 import shutil
 
+import jax
 import ml_collections
 import pytest
 
@@ -301,6 +302,35 @@ def test_discriminant_weight_rows(run):
     )
     assert small.y.shape[0] == small.g.shape[0] == len(small.rows) == 50
     assert len(set(small.rows.tolist())) == 50
+    # With the core's last-layer parts (what the report reads since stop
+    # 70), the fit reads no encoder pass and a diff's vectors are closed
+    # form: the same features, the same diff, the same vectors as the pass.
+    from moddiffy_jax.subnets.sparse_diff import fingerprint
+
+    splits = {s: ctx.data.splits[s] for s in ("train", "dev", "test")}
+    reps, parts = discriminant_diff.encode_core(rep, art.core, splits, {}, {})
+    for s in splits:
+        np.testing.assert_allclose(reps[s], rep.represent(art.core, s), atol=1e-5)
+        assert parts[s][1].shape == (len(splits[s]), inter)
+    plain = discriminant_diff.Writer(ctx, rep, art.head, art.core, reps)
+    closed = discriminant_diff.Writer(ctx, rep, art.head, art.core, reps, parts=parts)
+    assert plain.parts is None and closed.parts is not None
+    np.testing.assert_allclose(closed.y, plain.y, atol=1e-5)
+    np.testing.assert_allclose(closed.g, plain.g, atol=1e-5)
+    fp = fingerprint(art.core)
+    written = [w.write(saved[0], "gender", fp) for w in (plain, closed)]
+    dense = [jax.tree.leaves(w.diff.to_dense()) for w in written]
+    for a, b in zip(*dense, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+    by_pass = plain.represent(written[1].diff)
+    for s, h in closed.represent(written[1].diff).items():
+        np.testing.assert_allclose(h, by_pass[s], atol=1e-5)
+    # Known vectors and parts are kept: no pass (no model to run here).
+    again = discriminant_diff.encode_core(None, None, splits, reps, parts)
+    assert all(
+        again[0][s] is reps[s] or np.array_equal(again[0][s], reps[s]) for s in splits
+    )
+    assert all(again[1][s][1] is parts[s][1] for s in splits)
     # Evaluated again without weights, the earlier diffs are not left beside
     # the new fits (they would not be this report's rows).
     saved = run / "eval" / "discriminant"

@@ -48,7 +48,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
-import math
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -59,8 +58,10 @@ import numpy as np
 from absl import logging
 
 from moddiffy_jax import checkpoints
+from moddiffy_jax._files import jsonable
 from moddiffy_jax.eval import bottleneck as bottleneck_lib
 from moddiffy_jax.eval import discriminant as discriminant_lib
+from moddiffy_jax.eval import discriminant_diff
 from moddiffy_jax.eval import inlp as inlp_lib
 from moddiffy_jax.eval import metrics as metrics_lib
 from moddiffy_jax.eval import ood as ood_lib
@@ -73,6 +74,7 @@ from moddiffy_jax.eval.bias_rows import (  # noqa: F401  (also this module's API
 )
 from moddiffy_jax.eval.evaluator import Evaluator, compositions
 from moddiffy_jax.eval.forward import Representer  # noqa: F401
+from moddiffy_jax.eval.removal import leakage_floors  # noqa: F401
 from moddiffy_jax.eval.report import format_report, gap_closed  # noqa: F401
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets.sparse_diff import fingerprint
@@ -81,26 +83,6 @@ SPLITS = ("train", "dev", "test")
 #: A task head predicting one class for at least this share of a split is
 #: reported as degenerate (a constant predictor).
 DEGENERATE_SHARE = 0.99
-
-
-def leakage_floors(ctx: Any, split: str = "test") -> dict[str, dict[str, float]]:
-    """Per attribute: the floor (what the gold task label alone gives) and chance."""
-    from moddiffy_jax.eval import removal
-
-    train, held = ctx.data.splits["train"], ctx.data.splits[split]
-    out = {}
-    for a in ctx.attributes:
-        n = len(ctx.data.attr_classes[a])
-        floor = removal.leakage_floor(
-            train.task,
-            train.attrs[a],
-            held.task,
-            held.attrs[a],
-            num_task_classes=len(ctx.data.task_classes),
-            num_attr_classes=n,
-        )
-        out[a] = {"floor": floor, "chance": 1.0 / n}
-    return out
 
 
 def load_run_config(workdir: str | Path) -> ml_collections.ConfigDict:
@@ -390,6 +372,7 @@ def evaluate_run(
     known_reps: Mapping[str, Mapping[str, np.ndarray]] | None = None,
     task_only: Mapping[str, Any] | None = None,
     discriminant: Mapping[str, Any] | None = None,
+    known_parts: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> dict[str, Any]:
     """Evaluates the composition matrix of a finished run; see the module doc.
 
@@ -432,6 +415,10 @@ def evaluate_run(
         together (:mod:`moddiffy_jax.eval.discriminant`: the core's
         representation projected onto its attribute-penalized task
         discriminant).
+      known_parts: the core's last-layer parts by split, encoded with
+        ``known_reps`` (``discriminant_diff.core_parts``); where the
+        discriminants are written into diffs, the core is read with its
+        parts so that those rows need no encoder pass.
 
     Returns:
       The results (also written to ``workdir/eval/results.json``).
@@ -521,8 +508,13 @@ def evaluate_run(
         timings[name] = timings.get(name, 0.0) + now - mark
         mark = now
 
+    # A task diff (DiffPrun) is in the core row but not in art.core, which
+    # the discriminant's diffs are written into: no closed form there.
+    parts_wanted = "task" not in art.diffs and discriminant_diff.wants_parts(
+        ctx.model, discriminant
+    )
     try:
-        core_reps = core_ood_reps = None
+        core_reps = core_ood_reps = core_parts = None
         for label, subset, params in compositions(
             evaluator,
             art.core,
@@ -539,10 +531,19 @@ def evaluate_run(
                         f"run's {s} split has {len(ctx.data.splits[s])}: pass the "
                         "representations of this run's own splits (or none)."
                     )
-            reps = {
-                s: np.asarray(known[s]) if s in known else rep.represent(params, s)
-                for s in rep_splits
-            }
+            if not subset and parts_wanted:
+                reps, core_parts = discriminant_diff.encode_core(
+                    rep,
+                    params,
+                    {s: ctx.data.splits[s] for s in rep_splits},
+                    known,
+                    known_parts or {},
+                )
+            else:
+                reps = {
+                    s: np.asarray(known[s]) if s in known else rep.represent(params, s)
+                    for s in rep_splits
+                }
             ood_reps = {
                 n: rep.represent_split(params, o.split) for n, o in ood_sets.items()
             }
@@ -603,6 +604,7 @@ def evaluate_run(
                         save_dir=workdir / "eval" / "discriminant",
                         base_fingerprint=fingerprint(art.core),
                         core_params=art.core,
+                        core_parts=core_parts,
                         **dict(discriminant),
                     ),
                 )
@@ -673,7 +675,7 @@ def evaluate_run(
         "timings": timings,
     }
     out_dir = workdir / "eval"
-    checkpoints.write_json_atomic(out_dir / "results.json", _jsonable(results))
+    checkpoints.write_json_atomic(out_dir / "results.json", jsonable(results))
     (out_dir / "report.md").write_text(format_report(results))
     return results
 
@@ -782,18 +784,3 @@ def _train_as_read(ctx, known_reps):
             for label, splits in known_reps.items()
         }
     return ctx, known_reps
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, (np.floating, float)):
-        value = float(obj)
-        return None if math.isnan(value) else value
-    if isinstance(obj, np.integer):
-        return int(obj)
-    if isinstance(obj, np.ndarray):
-        return _jsonable(obj.tolist())
-    return obj

@@ -467,6 +467,7 @@ def discriminant_reps(
     weights: bool | str = False,
     core_params: Any = None,
     penalties: Sequence[float] = PENALTIES,
+    core_parts: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> dict[str, tuple[dict[str, np.ndarray], Any, dict[str, Any]]]:
     """The rows ``core+discriminant(<attribute>)`` for each of the run's
     attributes and, for several, ``core+discriminant(<a>,<b>,...)`` for all
@@ -487,7 +488,9 @@ def discriminant_reps(
     ["skipped"]`` says why); True raises there. Sets whose fits project
     alike (every set at penalty 0) share one diff and one encoding
     (``info["weights"]["same_as"]``). ``penalties``: those tried
-    (:func:`fit_discriminant`)."""
+    (:func:`fit_discriminant`). ``core_parts``: the core's last-layer parts
+    by split (:func:`discriminant_diff.core_parts`), with which the diffs'
+    rows need no encoder pass."""
     if weights not in (True, False, "auto"):
         raise ValueError(
             f"config.eval.discriminant.weights={weights!r}: True (write each "
@@ -509,10 +512,12 @@ def discriminant_reps(
         groups.append(tuple(ctx.attributes))
     writer, skipped, encoded = None, None, []
     if weights is True:
-        writer = discriminant_diff.Writer(ctx, rep, head, core_params, core_reps)
+        writer = discriminant_diff.Writer(
+            ctx, rep, head, core_params, core_reps, parts=core_parts
+        )
     elif weights == "auto":
         writer, skipped = discriminant_diff.writer_or_reason(
-            ctx, rep, head, core_params, core_reps
+            ctx, rep, head, core_params, core_reps, core_parts
         )
     out = {}
     for group in groups:

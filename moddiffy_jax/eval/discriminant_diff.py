@@ -41,7 +41,7 @@ LayerNorm); a composition is its own fit of all its attributes together.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -290,13 +290,15 @@ def problem(model: Any) -> str | None:
     return why.replace("the eraser", "the diff") if why else None
 
 
-def writer_or_reason(ctx: Any, rep: Any, head: Any, core_params: Any, core_reps):
+def writer_or_reason(
+    ctx: Any, rep: Any, head: Any, core_params: Any, core_reps, parts=None
+):
     """``(Writer, None)`` where the diff can be written, else ``(None, why)``."""
     why = problem(ctx.model)
     if why:
         return None, why
     try:
-        return Writer(ctx, rep, head, core_params, core_reps), None
+        return Writer(ctx, rep, head, core_params, core_reps, parts=parts), None
     except NotWritable as e:  # the reason, without the fix for weights=True
         return None, e.reason
     except ValueError as e:
@@ -309,7 +311,14 @@ class Writer:
     :class:`~moddiffy_jax.eval.forward.Representer`; ``core_reps``: the
     core's CLS vectors by split, train among them). The readout is fit on
     at most ``max_rows`` train rows (a seeded sample of a larger split: the
-    activations are ``[rows, intermediate size]``)."""
+    activations are ``[rows, intermediate size]``).
+
+    ``parts``: the core's last-layer parts by split (``split -> (x, g)``,
+    :func:`core_parts`) for every split of ``core_reps``. With them the fit
+    reads no encoder pass and a diff's representations are closed form
+    (the diff changes only the last FFN output and LayerNorm: the module
+    doc's ``h = LN(x + g W_o + b_o)``); without, the train split is
+    encoded for the fit and every split again with each diff added."""
 
     def __init__(
         self,
@@ -321,6 +330,7 @@ class Writer:
         *,
         max_rows: int = MAX_ROWS,
         seed: int = 0,
+        parts: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
     ):
         model = ctx.model
         why = problem(model)
@@ -346,8 +356,17 @@ class Writer:
             )
             split = subset_split(split, rows)
         self.rows = rows
-        fn = erasure_refit.feature_fn(model)
-        self.y, self.g = erasure_refit.features(fn, rep, core_params, split)
+        last = self.config.num_hidden_layers - 1
+        self.parts = None
+        if parts is not None and all(s in parts for s in core_reps):
+            self.parts = {s: parts[s] for s in core_reps}
+            x, g = (np.asarray(a)[rows] for a in parts["train"])
+            self.y = np.asarray(erasure_refit.pre_layernorm(core_params, x, g, last))
+            self.g = g
+            self._last = erasure_refit.last_output_fn(model)
+        else:
+            fn = erasure_refit.feature_fn(model)
+            self.y, self.g = erasure_refit.features(fn, rep, core_params, split)
 
     def write(self, fit: Any, name: str, base_fingerprint: str) -> Written:
         return write_discriminant(
@@ -367,8 +386,74 @@ class Writer:
     def represent(self, diff: diffs_lib.SparseDiff) -> dict[str, np.ndarray]:
         """The CLS vectors of every split of ``core_reps`` with ``diff`` added."""
         params = diffs_lib.apply_diffs(self.core, [diff])
+        if self.parts is not None:
+            return {
+                s: np.asarray(self._last(params, x, g))
+                for s, (x, g) in self.parts.items()
+            }
         return {s: self.rep.represent(params, s) for s in self.core_reps}
 
     def predict(self, h: np.ndarray) -> np.ndarray:
         """The core head's predictions."""
         return np.asarray(self.rep.predict(self.head, h))
+
+
+def core_parts(
+    rep: Any, params: Any, split: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(h, x, g)`` of every row of ``split``: the CLS vectors and the
+    last layer's parts :class:`Writer` reads (``rep``: a
+    :class:`~moddiffy_jax.eval.forward.Forward` for the batches; one
+    encoder pass, the last layer at CLS alone)."""
+    fn = _parts_fn(rep.model)
+    out: list[list[np.ndarray]] = [[], [], []]
+    for inputs, real in rep.batches(split):
+        for acc, a in zip(out, fn(params, inputs), strict=True):
+            acc.append(np.asarray(a)[real])
+    h, x, g = (np.concatenate(a) for a in out)
+    return h, x, g
+
+
+_PARTS_FNS: dict[int, tuple[Any, Any]] = {}
+
+
+def _parts_fn(model: Any):
+    """One jitted parts function per model object (the export's table and
+    the report read the same model)."""
+    key = id(model)
+    if key not in _PARTS_FNS or _PARTS_FNS[key][0] is not model:
+        _PARTS_FNS[key] = (model, erasure_refit.cls_parts_fn(model))
+    return _PARTS_FNS[key][1]
+
+
+def wants_parts(model: Any, options: Mapping[str, Any] | None) -> bool:
+    """Whether the run's report writes discriminant diffs into ``model``
+    (``options``: ``config.eval.discriminant`` as ``evaluate_run`` takes
+    it, None when off), so the core's encoding should keep its parts."""
+    if options is None or not options.get("weights", False):
+        return False
+    return problem(model) is None
+
+
+def encode_core(
+    rep: Any,
+    params: Any,
+    splits: Mapping[str, Any],
+    known_reps: Mapping[str, np.ndarray],
+    known_parts: Mapping[str, tuple[np.ndarray, np.ndarray]],
+) -> tuple[dict[str, np.ndarray], dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """The core's representations and parts of each split in ``splits``
+    (name -> split object): known ones are kept (parts only where the
+    split's representations are known too, with its row count), the others
+    read in one parts pass per split (:func:`core_parts`)."""
+    reps, parts = {}, {}
+    for s, split in splits.items():
+        h, known = known_reps.get(s), known_parts.get(s)
+        if h is not None and known is not None:
+            if all(np.shape(a)[0] == len(split) for a in known):
+                reps[s], parts[s] = np.asarray(h), tuple(known)
+                continue
+        fresh, x, g = core_parts(rep, params, split)
+        reps[s] = fresh if h is None else np.asarray(h)
+        parts[s] = (x, g)
+    return reps, parts

@@ -48,13 +48,25 @@ class Evaluator:
         return self.accuracy_and_reps(enc_params, head_params, split)[0]
 
     def accuracy_and_reps(
-        self, enc_params: Any, head_params: Any, split: str
+        self,
+        enc_params: Any,
+        head_params: Any,
+        split: str,
+        parts_out: dict[str, Any] | None = None,
     ) -> tuple[float, np.ndarray]:
         """Task accuracy on the run's split named ``split`` and the CLS
         representations [N, H] it was read from (the leakage probes reuse
-        them)."""
+        them). ``parts_out``, if given, receives ``split -> (x, g)``, the
+        last layer's parts (:func:`discriminant_diff.core_parts`) from the
+        same pass."""
+        from moddiffy_jax.eval import discriminant_diff
+
         data = self.ctx.data.splits[split]
-        h = self.forward.represent_split(enc_params, data)
+        if parts_out is None:
+            h = self.forward.represent_split(enc_params, data)
+        else:
+            h, *parts = discriminant_diff.core_parts(self.forward, enc_params, data)
+            parts_out[split] = tuple(parts)
         pred = self.forward.predict(head_params, h)
         return float(np.mean(pred == np.asarray(data.task))), h
 
@@ -121,19 +133,22 @@ def composition_table(
     splits: Sequence[str],
     params_out: dict[str, Any] | None = None,
     reps_out: dict[str, dict[str, np.ndarray]] | None = None,
+    parts_out: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Task accuracy for the core, each diff, and every larger subset of diffs.
 
     ``params_out``, if given, receives ``label -> (encoder params, head)``;
     ``reps_out`` receives ``label -> {split: representations [N, H]}``, which
     the composition matrix's probes (``composition.evaluate_run``'s
-    ``known_reps``) then need not encode again.
+    ``known_reps``) then need not encode again; ``parts_out`` the core row's
+    last-layer parts by split (its ``known_parts``).
     """
     rows = {}
-    for label, _, params in compositions(evaluator, core, sparse):
+    for label, subset, params in compositions(evaluator, core, sparse):
         row = {}
+        keep = parts_out if not subset else None
         for s in splits:
-            row[f"{s}_task_acc"], h = evaluator.accuracy_and_reps(params, head, s)
+            row[f"{s}_task_acc"], h = evaluator.accuracy_and_reps(params, head, s, keep)
             if reps_out is not None:
                 reps_out.setdefault(label, {})[s] = h
         rows[label] = row

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -85,3 +86,21 @@ def fresh_linear_leakage(
         class_weighted=True,
     )
     return float(result.dev_balanced_accuracy)
+
+
+def leakage_floors(ctx: Any, split: str = "test") -> dict[str, dict[str, float]]:
+    """Per attribute: the floor (what the gold task label alone gives) and chance."""
+    train, held = ctx.data.splits["train"], ctx.data.splits[split]
+    out = {}
+    for a in ctx.attributes:
+        n = len(ctx.data.attr_classes[a])
+        floor = leakage_floor(
+            train.task,
+            train.attrs[a],
+            held.task,
+            held.attrs[a],
+            num_task_classes=len(ctx.data.task_classes),
+            num_attr_classes=n,
+        )
+        out[a] = {"floor": floor, "chance": 1.0 / n}
+    return out

@@ -112,8 +112,15 @@ def check_model(model: Any, rules_paths: Any, word_rows: int = 0) -> None:
 # Features: the last layer's CLS pre-LayerNorm vector and FFN activations.
 
 
-def feature_fn(model: Any):
-    """A jitted ``(params, inputs) -> (y [B, H], g [B, I])`` at the CLS token."""
+def cls_parts_fn(model: Any):
+    """A jitted ``(params, inputs) -> (h [B, H], x [B, H], g [B, I])`` at
+    the CLS token: the representation, the last layer's attention output
+    (its FFN output's residual) and its FFN activations. The last layer
+    computes the CLS position alone, as ``TextModel.represent`` does, so
+    ``h`` is the representation that pass gives (to rounding) and the
+    parts cost nothing more. With them, the representation of the same
+    encoder with only its last FFN output and LayerNorm changed is closed
+    form (:func:`last_output_fn`)."""
     last = model.bert_config.num_hidden_layers - 1
     wanted = {(f"layer_{last}", "attention"), (f"layer_{last}", "intermediate")}
 
@@ -121,23 +128,62 @@ def feature_fn(model: Any):
         return method_name == "__call__" and tuple(module.scope.path[-2:]) in wanted
 
     def fn(params, inputs):
-        _, state = model.encoder.apply(
+        out, state = model.encoder.apply(
             {"params": params},
             inputs["input_ids"],
             inputs["attention_mask"],
             inputs.get("token_type_ids"),
             deterministic=True,
+            cls_only=True,
             capture_intermediates=pick,
             mutable=["intermediates"],
         )
         layer = state["intermediates"]["encoder"][f"layer_{last}"]
         x = layer["attention"]["__call__"][0][:, 0].astype(jnp.float32)
         g = layer["intermediate"]["__call__"][0][:, 0].astype(jnp.float32)
-        out = params["encoder"][f"layer_{last}"]["output"]["dense"]
-        y = x + g @ out["kernel"].astype(jnp.float32) + out["bias"]
-        return y, g
+        return out.last_hidden_state[:, 0].astype(jnp.float32), x, g
 
     return jax.jit(fn)
+
+
+def last_output_fn(model: Any):
+    """A jitted ``(params, x, g) -> h [N, H]``: the CLS representation from
+    :func:`cls_parts_fn`'s ``x`` and ``g`` through the last layer's FFN
+    output and LayerNorm of ``params`` (the model's own module, so the same
+    arithmetic as the encoder's pass)."""
+    from moddiffy_jax.models import bert_model
+
+    cfg = model.bert_config
+    last = cfg.num_hidden_layers - 1
+    module = bert_model._DenseDropoutLayerNorm(
+        config=cfg, dtype=model.encoder.dtype, param_dtype=model.encoder.param_dtype
+    )
+
+    def fn(params, x, g):
+        p = params["encoder"][f"layer_{last}"]["output"]
+        h = module.apply({"params": p}, g, x, deterministic=True)
+        return h.astype(jnp.float32)
+
+    return jax.jit(fn)
+
+
+def feature_fn(model: Any):
+    """A jitted ``(params, inputs) -> (y [B, H], g [B, I])`` at the CLS token
+    (``y``: the last LayerNorm's input)."""
+    parts = cls_parts_fn(model)
+    last = model.bert_config.num_hidden_layers - 1
+
+    def fn(params, inputs):
+        _, x, g = parts(params, inputs)
+        return pre_layernorm(params, x, g, last), g
+
+    return jax.jit(fn)
+
+
+def pre_layernorm(params: Any, x: Any, g: Any, last: int) -> Any:
+    """``y = x + g W_o + b_o`` (float32) from :func:`cls_parts_fn`'s parts."""
+    out = params["encoder"][f"layer_{last}"]["output"]["dense"]
+    return x + g @ out["kernel"].astype(jnp.float32) + out["bias"]
 
 
 def features(
