@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -409,6 +410,8 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
         if workdir_lib.agree_to_stop(workdir_lib.stop_requested() is not None):
             raise Preempted(global_step, "SIGTERM received")
     finally:
+        if warm is not None and sys.exc_info()[0] is not None:
+            warm.stop()  # stopping early: no probe compile into the exit
         # Waits for in-flight async saves, so an error (a NaN loss, a
         # preemption) still leaves the last good checkpoint complete.
         ckpt.close()

@@ -1,6 +1,7 @@
 """The report's probe programs compiled ahead (eval/warm.py)."""
 
 import dataclasses
+import threading
 
 import numpy as np
 
@@ -54,7 +55,14 @@ def test_start_runs_on_a_thread_and_skips_runs_without_attributes():
     config = tiny("moddiffy_par", **{"eval.leakage": True})
     ctx = train.build_context(config)
     options = train.report_probe_options(config)
-    thread = warm.start(ctx, options)
-    assert thread is not None and thread.daemon
-    thread.join()
+    handle = warm.start(ctx, options)
+    assert handle is not None and handle.thread.daemon
+    handle.join()
+    # Stopped, it starts no further program (a run that ends early).
+    stop = threading.Event()
+    stop.set()
+    assert warm.report_probes(ctx, options["probe_config"], stop=stop) == []
+    handle = warm.start(ctx, options)
+    handle.stop()
+    assert not handle.thread.is_alive()
     assert warm.start(dataclasses.replace(ctx, attributes=()), options) is None

@@ -38,11 +38,13 @@ def report_probes(
     mlp: bool = True,
     inlp: bool = True,
     decision: bool = True,
+    stop: threading.Event | None = None,
 ) -> list[str]:
     """Runs each probe program the report will run, once per shape, on
     random representations (``ctx``: the run's context, train as read;
-    ``decision``: also the ``core decision`` row's, on the task's logits).
-    Returns what was run, for the log."""
+    ``decision``: also the ``core decision`` row's, on the task's logits;
+    ``stop``: once set, no further program starts). Returns what was run,
+    for the log."""
     from moddiffy_jax.eval import composition
     from moddiffy_jax.eval import inlp as inlp_lib
 
@@ -64,15 +66,18 @@ def report_probes(
     rows = [(int(ctx.model.feature_dim), True)]
     if decision:
         rows.append((len(ctx.data.task_classes), False))
+    stopped = stop.is_set if stop is not None else lambda: False
     for n, attr in by_classes.items():
         one = dataclasses.replace(ctx, attributes=(attr,))
         for width, attacker in rows:
+            if stopped():
+                return done
             reps = random_reps(width)
             composition._leakage(
                 one, reps, probe_config, linear=linear, mlp=mlp, attacker=attacker
             )
             done.append(f"{n} classes, width {width}")
-        if inlp:
+        if inlp and not stopped():
             reps = random_reps(int(ctx.model.feature_dim))
             y = {s: splits[s].attrs[attr] for s in ("train", "dev")}
             inlp_lib.fit_inlp(
@@ -88,10 +93,29 @@ def report_probes(
     return done
 
 
-def start(ctx: Any, options: Mapping[str, Any]) -> threading.Thread | None:
+class Warmup:
+    """The background thread of :func:`start`."""
+
+    def __init__(self, thread: threading.Thread, stop: threading.Event):
+        self.thread, self._stop = thread, stop
+
+    def join(self) -> None:
+        """Waits for every program (before the report)."""
+        self.thread.join()
+
+    def stop(self) -> None:
+        """Starts no further program and waits for the one running (a run
+        that stops early, e.g. preempted, leaves no compile running into
+        the interpreter's exit)."""
+        self._stop.set()
+        self.thread.join()
+
+
+def start(ctx: Any, options: Mapping[str, Any]) -> Warmup | None:
     """Starts :func:`report_probes` on a daemon thread (``options``: its
     keyword arguments and ``probe_config``); None where the run has no
-    attributes. Join the thread before the report."""
+    attributes. Join it before the report; stop it where the run ends
+    early."""
     if not ctx.attributes or not all(s in ctx.data.splits for s in SPLITS):
         return None
     from moddiffy_jax import data as data_lib
@@ -100,14 +124,15 @@ def start(ctx: Any, options: Mapping[str, Any]) -> threading.Thread | None:
         ctx = dataclasses.replace(ctx, data=data_lib.original_train(ctx.data))
     options = dict(options)
     probe_config = options.pop("probe_config")
+    stop = threading.Event()
 
     def run() -> None:
         try:
-            done = report_probes(ctx, probe_config, **options)
+            done = report_probes(ctx, probe_config, stop=stop, **options)
             logging.info("Report probe programs compiled ahead: %s", "; ".join(done))
         except Exception as e:  # an optimisation only: the report compiles them
             logging.warning("Compiling the report's probes ahead failed: %r", e)
 
     thread = threading.Thread(target=run, name="warm-report-probes", daemon=True)
     thread.start()
-    return thread
+    return Warmup(thread, stop)
