@@ -223,9 +223,11 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     c.eval.probe_mlp = True
     c.eval.inlp = True
     # Compile the report's probe programs on a background thread while the
-    # first training step compiles (eval/warm.py; the same numbers: about
-    # 25 s less report from an empty compilation cache on 2 cores).
-    c.eval.warm_probes = True
+    # first training step compiles (eval/warm.py; the same numbers). Off:
+    # on README command 1 from a fresh clone (2 cores, stop 70) the report
+    # was 15 s shorter and the first step 26 s longer; for hosts with
+    # cores to spare.
+    c.eval.warm_probes = False
     # Two task-only reference rows (eval/bottleneck.py): "core decision", the
     # core head's logits probed as the representation (what the core's own
     # decision carries of each attribute), and "core+bottleneck", the

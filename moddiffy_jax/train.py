@@ -259,7 +259,7 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     warm = None
     if (
         config.eval.leakage
-        and config.eval.get("warm_probes", True)
+        and config.eval.get("warm_probes", False)
         and jax.process_index() == 0
         and global_step < total_steps
     ):

@@ -15,6 +15,12 @@ one is set) hold those programs when the report asks for them. Nothing
 the run computes reads what this thread computes: the probes are pure
 functions of their inputs, and their outputs here are dropped. An error
 here is logged and otherwise ignored (the report compiles what it needs).
+
+Off by default (``config.eval.warm_probes``): on a 2-core CPU the thread
+also slows the first step (the GIL, and its probes' own arithmetic), and
+on README command 1 from a fresh clone the report was 15 s shorter while
+the first step was 26 s longer (docs/speed.md, "Stop 70"). It is for
+hosts with cores the first compile leaves idle.
 """
 
 from __future__ import annotations
