@@ -222,12 +222,6 @@ def base_config(method: str) -> ml_collections.ConfigDict:
     # early-stopped attacker misses what a linear eraser leaves nonlinear.
     c.eval.probe_mlp = True
     c.eval.inlp = True
-    # Compile the report's probe programs on a background thread while the
-    # first training step compiles (eval/warm.py; the same numbers). Off:
-    # on README command 1 from a fresh clone (2 cores, stop 70) the report
-    # was 15 s shorter and the first step 26 s longer; for hosts with
-    # cores to spare.
-    c.eval.warm_probes = False
     # Two task-only reference rows (eval/bottleneck.py): "core decision", the
     # core head's logits probed as the representation (what the core's own
     # decision carries of each attribute), and "core+bottleneck", the

@@ -22,7 +22,6 @@ import hashlib
 import json
 import math
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -41,7 +40,6 @@ from moddiffy_jax import workdir as workdir_lib
 from moddiffy_jax.config_lib import resolve_epochs
 from moddiffy_jax.context import Context, build_context
 from moddiffy_jax.eval import discriminant_diff
-from moddiffy_jax.eval import warm as warm_lib
 from moddiffy_jax.eval.during import evaluate_during
 from moddiffy_jax.eval.evaluator import Evaluator
 from moddiffy_jax.export import export_and_evaluate
@@ -254,16 +252,6 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     # Where the wall time goes (results.json "timings"): the setup, each
     # phase (its first step holds the compile) and the end-of-run work.
     timings: dict[str, Any] = {"setup_s": time.time() - wall_start, "phases": {}}
-    # The report's probe programs compile on a core the first step's compile
-    # leaves idle (eval/warm.py; config.eval.warm_probes).
-    warm = None
-    if (
-        config.eval.leakage
-        and config.eval.get("warm_probes", False)
-        and jax.process_index() == 0
-        and global_step < total_steps
-    ):
-        warm = warm_lib.start(ctx, report_probe_options(config))
     try:
         for pi in range(phase_index, len(phases)):
             phase = phases[pi]
@@ -410,8 +398,6 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
         if workdir_lib.agree_to_stop(workdir_lib.stop_requested() is not None):
             raise Preempted(global_step, "SIGTERM received")
     finally:
-        if warm is not None and sys.exc_info()[0] is not None:
-            warm.stop()  # stopping early: no probe compile into the exit
         # Waits for in-flight async saves, so an error (a NaN loss, a
         # preemption) still leaves the last good checkpoint complete.
         ckpt.close()
@@ -456,8 +442,6 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
     if getattr(ctx, "objective_choice", None):  # config.method.objective "auto"
         results["objective_choice"] = ctx.objective_choice
     results["train_wall_time_s"] = time.time() - wall_start
-    if warm is not None:
-        warm.join()
     if config.eval.leakage and jax.process_index() == 0:
         report_start = time.time()
         results.update(_leakage(config, workdir, results, ctx.attributes, reps, parts))
@@ -633,11 +617,13 @@ def eval_options(config, name: str) -> dict[str, Any] | None:
     return {k: v for k, v in section.items() if k != "enabled"}
 
 
-def report_probe_options(config) -> dict[str, Any]:
-    """The end-of-run report's probes as ``config.eval`` sets them:
-    ``probe_config`` (the attacker), ``inlp``, ``mlp``, ``linear`` and
-    ``decision`` (the ``core decision`` row, with ``eval.task_only``)."""
-    from moddiffy_jax.eval import probes
+def _leakage(
+    config, workdir: Path, results: dict, attributes, reps=None, parts=None
+) -> dict[str, Any]:
+    """Fresh probes of the exported run (``eval.composition.evaluate_run``;
+    ``reps``: the representations the end-of-run table already encoded);
+    adds the INLP baselines' accuracy rows to ``results["composition"]``."""
+    from moddiffy_jax.eval import composition, probes
 
     probe_config = probes.ProbeConfig(
         seeds=tuple(config.eval.probe_seeds),
@@ -646,30 +632,11 @@ def report_probe_options(config) -> dict[str, Any]:
         whiten=config.eval.get("probe_whiten", True),
         threads=config.eval.get("probe_threads", 2),
     )
-    return {
-        "probe_config": probe_config,
-        "inlp": bool(config.eval.inlp),
-        "mlp": bool(config.eval.get("probe_mlp", True)),
-        "linear": True,  # evaluate_run's default
-        "decision": eval_options(config, "task_only") is not None,
-    }
-
-
-def _leakage(
-    config, workdir: Path, results: dict, attributes, reps=None, parts=None
-) -> dict[str, Any]:
-    """Fresh probes of the exported run (``eval.composition.evaluate_run``;
-    ``reps``: the representations the end-of-run table already encoded);
-    adds the INLP baselines' accuracy rows to ``results["composition"]``."""
-    from moddiffy_jax.eval import composition
-
-    options = report_probe_options(config)
-    probe_config = options["probe_config"]
     evaluation = composition.evaluate_run(
         workdir,
         probe_config=probe_config,
-        inlp=options["inlp"],
-        mlp=options["mlp"],
+        inlp=config.eval.inlp,
+        mlp=config.eval.get("probe_mlp", True),
         verify_inputs=False,  # checked when this run started
         known_reps=reps,
         known_parts=parts,
