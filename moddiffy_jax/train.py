@@ -245,6 +245,7 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
 
     averaged = None  # train.average_from: which steps the export averages
     ahead: _Ahead | None = None  # the next phase's step, compiling meanwhile
+    previous = None  # the last phase's jitted step and its arguments' signature
     total_steps = sum(method.phase_steps(config, p) for p in phases)
     reread_at = swap_reread.read_step(ctx, total_steps)  # method.swap_reread_at
     progress = progress_bar(config, total_steps, global_step)
@@ -276,12 +277,19 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
                 step_fn, record = ahead.step_fn(step_fn, state, frozen, step_rng)
                 writer.write(global_step, record)
                 ahead = None
-            ahead_asked = False
+            ahead_asked, reuse = False, ahead is None and previous is not None
             logger.restart(global_step)
             phase_start, first_step = time.time(), phase_step < n_steps
             while phase_step < n_steps:
                 batch = parallel.shard_batch(next(iterator), ctx.mesh)
-                state, metrics = step_fn(state, frozen, batch, step_rng)
+                args = (state, frozen, batch, step_rng)
+                if reuse:  # the previous phase's step, if it is the same program
+                    reuse = False
+                    step_fn, record = _same_program(previous, step_fn, args)
+                    writer.write(global_step, {"phase": phase, **record})
+                if first_step and step_jit_mode(config) == "step":
+                    previous = (step_fn, _signature(args))
+                state, metrics = step_fn(*args)
                 if first_step:  # the call compiles (then dispatches)
                     first_step = False
                     timings["phases"][phase] = {
@@ -459,6 +467,32 @@ def _train_and_evaluate(config, workdir: Path, method, allow_changed_inputs) -> 
         multihost_utils.sync_global_devices("moddiffy_jax: run finished")
         results = json.loads((workdir / "results.json").read_text())
     return results
+
+
+def _signature(args) -> tuple[Any, tuple]:
+    """The arguments' tree and each leaf's shape and dtype."""
+    leaves, tree = jax.tree.flatten(args)
+    return tree, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
+
+
+def _same_program(previous, step_fn: Callable, args) -> tuple[Callable, dict]:
+    """The previous phase's jitted step where this phase's step lowers to the
+    same program text for these arguments (shapes, shardings and donation
+    included), else ``step_fn``: the dense fixmask state
+    (``diff.fixmask_state``) makes the L0 step's program the fixmask step's,
+    and the previous one is compiled already. The check lowers both (the
+    previous one from its trace cache); nothing the run computes can depend
+    on which is used."""
+    start = time.time()
+    old_fn, signature = previous
+    same = False
+    if _signature(args) == signature:
+        same = _program_key(step_fn.lower(*args)) == _program_key(old_fn.lower(*args))
+    record = {
+        "program/reused": int(same),
+        "program/check_s": time.time() - start,
+    }
+    return (old_fn if same else step_fn), record
 
 
 class _Ahead:

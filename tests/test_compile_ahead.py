@@ -118,7 +118,12 @@ def test_no_compile_ahead_where_it_is_off(ahead, step_jit):
 
 
 def test_moddiffy_settles_fixmask_shapes_at_the_last_gradual_cut():
-    config = tiny("moddiffy_par", **{"diff.prune_every": 1})
+    # The dense fixmask state runs the L0 phase's program: nothing to settle.
+    dense = tiny("moddiffy_par", **{"diff.prune_every": 1})
+    assert not any(moddiffy.next_shapes_settled(dense, "l0", s, 4) for s in range(5))
+    config = tiny(
+        "moddiffy_par", **{"diff.prune_every": 1, "diff.fixmask_state": "sparse"}
+    )
     # l0_steps 4: cuts after steps 1 and 2, so the shapes are settled from 2.
     settled = [
         s for s in range(1, 5) if moddiffy.next_shapes_settled(config, "l0", s, 4)

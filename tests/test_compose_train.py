@@ -7,7 +7,7 @@ import pytest
 from moddiffy_jax import train
 from moddiffy_jax.methods import common, moddiffy
 from moddiffy_jax.subnets import diffs as diffs_lib
-from tests.helpers import tiny
+from tests.helpers import set_fields, tiny
 from tests.test_substeps import _first_step
 
 
@@ -41,22 +41,29 @@ def test_other_diffs_are_added_with_their_probability():
         ctx.method, state.trainable, frozen, ("age",), 0.0, rng, **kw
     )
     jax.tree.map(np.testing.assert_array_equal, unseen["core"], core)
-    # In fixmask the other diff's kept values are scattered at its indices.
-    trainable, frozen_fm = moddiffy.to_fixmask(ctx, dict(state.trainable), frozen)
-    seen, _ = common.with_other_diffs(
-        ctx.method,
-        trainable,
-        frozen_fm,
-        ("age",),
-        1.0,
-        rng,
-        phase="fixmask",
-        settings=ctx.diff_settings,
-    )
-    want = common.add_sparse(
-        core, frozen_fm["indices"]["diffs"]["age"], trainable["diffs"]["age"]
-    )
-    jax.tree.map(np.testing.assert_array_equal, seen["core"], want)
+    # In fixmask the other diff's kept values are scattered at its indices;
+    # its dense form (fixed gates) adds exactly the same.
+    seen = {}
+    for form in ("sparse", "dense"):
+        set_fields(ctx.config, {"diff.fixmask_state": form})
+        trainable, frozen_fm = moddiffy.to_fixmask(ctx, dict(state.trainable), frozen)
+        seen[form], _ = common.with_other_diffs(
+            ctx.method,
+            trainable,
+            frozen_fm,
+            ("age",),
+            1.0,
+            rng,
+            phase="fixmask",
+            settings=ctx.diff_settings,
+        )
+        if form == "sparse":
+            want = common.add_sparse(
+                core, frozen_fm["indices"]["diffs"]["age"], trainable["diffs"]["age"]
+            )
+    for form in seen:
+        jax.tree.map(np.testing.assert_array_equal, seen[form]["core"], want)
+    seen = seen["dense"]
     changed = jax.tree.leaves(
         jax.tree.map(lambda a, b: bool(np.any(a != b)), seen["core"], core)
     )

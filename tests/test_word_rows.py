@@ -10,7 +10,7 @@ from moddiffy_jax import train
 from moddiffy_jax.methods import common, moddiffy, word_rows
 from moddiffy_jax.subnets import diffs as diffs_lib
 from moddiffy_jax.subnets import selection
-from tests.helpers import tiny
+from tests.helpers import set_fields, tiny
 from tests.test_substeps import _first_step
 
 
@@ -107,13 +107,16 @@ def test_the_cut_keeps_open_rows_only_when_the_budget_exceeds_them():
     )
     table = selection.flatten(state.trainable["diffs"]["gender"].delta)
     hidden = np.shape(table[word_rows.WORD_TABLE])[1]
-    trainable, frozen = moddiffy.to_fixmask(ctx, dict(state.trainable), frozen)
-    for attr, tokens in ctx.word_tokens.items():
-        kept = np.asarray(
-            selection.flatten(frozen["indices"]["diffs"][attr])[word_rows.WORD_TABLE]
-        )
-        want = (np.asarray(tokens)[:, None] * hidden + np.arange(hidden)).reshape(-1)
-        np.testing.assert_array_equal(kept, np.sort(want))
+    for form in ("sparse", "dense"):  # diff.fixmask_state: the same entries
+        set_fields(ctx.config, {"diff.fixmask_state": form})
+        trainable, cut = moddiffy.to_fixmask(ctx, dict(state.trainable), frozen)
+        sparse = moddiffy.sparse_diffs_of(ctx, trainable, cut, "fixmask")
+        for attr, tokens in ctx.word_tokens.items():
+            kept = sparse[attr].indices[word_rows.WORD_TABLE]
+            want = (np.asarray(tokens)[:, None] * hidden + np.arange(hidden)).reshape(
+                -1
+            )
+            np.testing.assert_array_equal(kept, np.sort(want))
 
 
 @pytest.mark.parametrize(

@@ -20,9 +20,8 @@ A method is described by *data*, not by a training loop of its own:
   same task head, its debias loss and its L0 term.
 
 Phases (``l0`` -> ``fixmask`` for diff methods, a single ``train`` phase
-otherwise) each get their own jitted step; the transition between them is a
-host-side pure function (see ``moddiffy_jax.train``).
-"""
+otherwise) each get their own jitted step (one program where they lower alike,
+``diff.fixmask_state``); the transition is a host-side pure function."""
 
 from __future__ import annotations
 
@@ -46,6 +45,7 @@ from moddiffy_jax.methods.diff_parts import (
     DiffSettings,
     add_sparse,  # noqa: F401
     apply_diff_part,
+    is_dense,
     others_present,
     with_other_diffs,
 )
@@ -573,7 +573,7 @@ def make_task_loss(
                 )
                 removed = removal.warmed_up(removed, batch.get(STEP_KEY), debias)
                 merge_terms(terms, removed)
-        if method.encoder == "diff" and phase == "l0":
+        if method.encoder == "diff" and is_dense(phase, trainable["task_diff"]):
             penalty = diffs_lib.l0_penalty(trainable["task_diff"], hc=diff_settings.hc)
             terms["l0/task"] = diff_settings.l0_weight * penalty
         if debias is not None and debias.task_guard and method.debias == "modular":
@@ -790,7 +790,7 @@ def make_debias_loss(
                 ),
             )
         merge_terms(terms, removed)
-        if phase == "l0":
+        if is_dense(phase, trainable["diffs"][attribute]):
             penalty = diffs_lib.l0_penalty(
                 trainable["diffs"][attribute], hc=diff_settings.hc
             )

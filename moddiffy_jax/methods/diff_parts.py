@@ -52,8 +52,9 @@ def apply_diff_part(
     rng: jax.Array | None,
     train: bool,
 ) -> PyTree:
-    """Adds one diff (a DiffState in ``l0``, sparse values in ``fixmask``)."""
-    if phase == "l0":
+    """Adds one diff (a DiffState in ``l0``, sparse values in ``fixmask``, or
+    its dense form there: a DiffState with fixed gates, :func:`is_dense`)."""
+    if is_dense(phase, part):
         return diffs_lib.apply_dense_diff(
             base,
             part,
@@ -64,6 +65,15 @@ def apply_diff_part(
             gathered=settings.gathered,
         )
     return add_sparse(base, indices, part)
+
+
+def is_dense(phase: str, part: Any) -> bool:
+    """Whether a diff part is a DiffState: every part in ``l0``, and in
+    ``fixmask`` a diff cut to its dense form (``diff.fixmask_state``). Such a
+    part is added through its gates and carries the L0 term, which for fixed
+    gates is a constant without gradient, so the fixmask step is the L0
+    phase's program."""
+    return phase == "l0" or isinstance(part, diffs_lib.DiffState)
 
 
 def others_present(others: Sequence[str], prob: float, rng: jax.Array) -> dict:

@@ -14,6 +14,14 @@ Two phases: ``l0`` (dense diffs behind hard-concrete gates; with
 the phase, :func:`after_step`) and ``fixmask`` (the kept entries only, after
 the exact cut of :func:`to_fixmask`). Each diff is exported as its own
 SparseDiff file and can be added to the core alone or with others.
+
+``diff.fixmask_state`` says how fixmask holds a cut diff: its kept values
+(``frozen["indices"]`` beside them), or its dense form, a DiffState whose
+gates are fixed open at the kept entries and shut elsewhere
+(:func:`~moddiffy_jax.subnets.dense_diff.fix_gates`). The dense form trains
+the same entries with the same gradients, and its step is the L0 phase's
+program, which the loop then runs without compiling a second one
+(:func:`dense_fixmask`; its "auto" default where nothing compiles ahead).
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ def to_fixmask(
     include, exclude = standard.diff_rules(cfg)
     new_trainable, new_frozen = dict(trainable), dict(frozen)
     indices: dict[str, Any] = {}
+    dense = dense_fixmask(cfg)
     for key in diff_keys(ctx.method, ctx.attributes):
         state = common.get_part(trainable, key)
         values = diffs_lib.dense_diff_values(state, hc=ctx.diff_settings.hc)
@@ -90,6 +99,11 @@ def to_fixmask(
             info={"method": ctx.method.name},
             eligible=jax.device_get(diffs_lib.open_entries(state)),
         )
+        if dense:  # every leaf stays, its gates fixed (diff.fixmask_state)
+            new_trainable = common.set_part(
+                new_trainable, key, _fixed(state, sd.indices, sd.values)
+            )
+            continue
         # Leaves with no kept entry are left out of the trained state (Orbax
         # cannot store empty arrays); exports restore them from the rules.
         kept = [p for p in sd.indices if np.size(sd.indices[p])]
@@ -100,8 +114,77 @@ def to_fixmask(
             indices, key, selection.unflatten({p: sd.indices[p] for p in kept})
         )
         del base
-    new_frozen["indices"] = indices
+    if not dense:
+        new_frozen["indices"] = indices
     return new_trainable, new_frozen
+
+
+def _fixed(state, indices: Mapping[str, Any], values: Mapping[str, Any]):
+    """``state`` in the dense form of the cut: the kept entries (flat
+    ``indices`` per leaf path) hold ``values``, every gate fixed."""
+    state = jax.device_get(state)
+    flat_delta = selection.flatten(state.delta)
+    kept, vals = {}, {}
+    for p, d in flat_delta.items():
+        mask = np.zeros(np.size(d), bool)
+        full = np.zeros(np.size(d), np.asarray(d).dtype)
+        idx = np.asarray(indices.get(p, np.zeros(0, np.int64)))
+        mask[idx] = True
+        full[idx] = np.asarray(values.get(p, np.zeros(0)))
+        kept[p], vals[p] = mask.reshape(np.shape(d)), full.reshape(np.shape(d))
+    return diffs_lib.fix_gates(
+        state, selection.unflatten(kept), selection.unflatten(vals)
+    )
+
+
+def dense_fixmask(config) -> bool:
+    """``config.diff.fixmask_state``, checked: whether the fixmask phase keeps
+    each diff dense with its gates fixed (the L0 phase's program, so the
+    loop compiles one step for both phases) instead of its kept values.
+
+    "auto" is dense where the next phase is not compiled ahead
+    (``train.compile_ahead``: a CPU backend), and sparse where it is or where
+    a setting reads the fixmask state's kept values (``train.select``
+    ``best_dev``, ``train.average_from``, a structured diff, a frozen core in
+    fixmask, word rows under their own optimizer settings)."""
+    d = config.get("diff")
+    mode = d.get("fixmask_state", "auto") if d is not None else "sparse"
+    if mode not in FIXMASK_STATES:
+        raise ValueError(
+            f"config.diff.fixmask_state={mode!r}; use one of {list(FIXMASK_STATES)} "
+            '("dense": the cut diffs keep their shapes with fixed gates, one '
+            'compiled step for both phases; "sparse": the kept values only).'
+        )
+    if mode == "sparse":
+        return False
+    optim = config.get("optim", {})
+    reads_values = {
+        "train.select": config.train.get("select", "last") != "last",
+        "train.average_from": float(config.train.get("average_from", -1)) >= 0,
+        "diff.structured": bool(d.get("structured", False)),
+        "diff.freeze_core_in_fixmask": bool(d.get("freeze_core_in_fixmask", False)),
+        "optim.diff_words_lr_scale": float(optim.get("diff_words_lr_scale", 1.0))
+        != 1.0,
+        "optim.diff_words_normalizer": optim.get("diff_words_normalizer", "entry")
+        != "entry",
+    }
+    blocking = [k for k, v in reads_values.items() if v]
+    if mode == "dense":
+        if blocking:
+            raise ValueError(
+                f"config.diff.fixmask_state='dense' cannot hold with {blocking} "
+                "(they read the fixmask phase's kept values): set "
+                "diff.fixmask_state to 'sparse' or 'auto'."
+            )
+        return True
+    if blocking:
+        return False
+    ahead = config.train.get("compile_ahead", "auto")
+    return ahead == "off" or (ahead == "auto" and jax.default_backend() == "cpu")
+
+
+#: ``config.diff.fixmask_state`` values (:func:`dense_fixmask`).
+FIXMASK_STATES = ("auto", "dense", "sparse")
 
 
 def sparse_diffs_of(
@@ -130,8 +213,13 @@ def sparse_diffs_of(
             )
             continue
         # fixmask: exactly the kept entries (some may be zero), in leaf order.
-        idx = selection.flatten(jax.device_get(common.get_part(frozen["indices"], key)))
-        vals = selection.flatten(jax.device_get(part))
+        if isinstance(part, diffs_lib.DiffState):  # its dense form
+            idx, vals = _kept_values(part)
+        else:
+            idx = selection.flatten(
+                jax.device_get(common.get_part(frozen["indices"], key))
+            )
+            vals = selection.flatten(jax.device_get(part))
         flat_base = selection.flatten(base)
         paths = selection.select_paths(base, include, exclude=exclude)
         dtype = np.asarray(next(iter(vals.values()))).dtype
@@ -147,6 +235,40 @@ def sparse_diffs_of(
             info_json=json.dumps({**info, "phase": "fixmask"}, sort_keys=True),
         )
     return out
+
+
+def _kept_values(state) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The flat kept indices and their values, per leaf path, of a diff in
+    the dense form of the cut (:func:`to_fixmask`; ascending indices)."""
+    state = jax.device_get(state)
+    kept = selection.flatten(diffs_lib.fixed_kept(state))
+    delta = selection.flatten(state.delta)
+    idx = {p: np.flatnonzero(np.asarray(k)).astype(np.int32) for p, k in kept.items()}
+    return idx, {p: np.asarray(delta[p]).reshape(-1)[i] for p, i in idx.items()}
+
+
+def sparse_form(ctx, trainable: dict, frozen: dict) -> tuple[dict, dict]:
+    """``(trainable, frozen)`` of the fixmask phase in its sparse form: each
+    diff cut to its dense form (:func:`dense_fixmask`) becomes its kept values
+    with their indices in ``frozen["indices"]``; the numbers are the same."""
+    indices = dict(frozen.get("indices", {}))
+    changed = False
+    for key in diff_keys(ctx.method, ctx.attributes):
+        part = common.get_part(trainable, key)
+        if not isinstance(part, diffs_lib.DiffState):
+            continue
+        idx, vals = _kept_values(part)
+        kept = [p for p in idx if np.size(idx[p])]
+        trainable = common.set_part(
+            trainable, key, selection.unflatten({p: vals[p] for p in kept})
+        )
+        indices = common.set_part(
+            indices, key, selection.unflatten({p: idx[p] for p in kept})
+        )
+        changed = True
+    if not changed:
+        return trainable, frozen
+    return trainable, {**frozen, "indices": indices}
 
 
 def gradual_keep(config, phase_step: int, n_steps: int) -> float | None:
@@ -173,6 +295,8 @@ def next_shapes_settled(config, phase: str, phase_step: int, n_steps: int) -> bo
     the budget, so the exact cut at the phase's end keeps exactly them and
     fixmask's shapes are known (the loop compiles its step ahead)."""
     if phase != "l0" or config.diff.prune_schedule != "gradual":
+        return False
+    if dense_fixmask(config):  # fixmask runs the L0 phase's program
         return False
     cuts = [s for s in range(1, n_steps + 1) if _is_cut(config, s, n_steps)]
     return bool(cuts) and phase_step >= cuts[-1]
@@ -282,8 +406,9 @@ def checkpoint_extra(frozen: Mapping[str, Any]) -> Any:
 
 def restore(ctx, trainable: dict, frozen: dict, phase: str, extra: Any):
     """In fixmask the kept indices come from the checkpoint, and the values'
-    shapes follow them."""
-    if phase != "fixmask":
+    shapes follow them; a checkpoint of the dense form has none (its diffs
+    have the shapes of the L0 phase's)."""
+    if phase != "fixmask" or not jax.tree.leaves(extra):
         return trainable, frozen
     frozen = {**frozen, "indices": jax.tree.map(jnp.asarray, extra)}
     return values_like(trainable, frozen["indices"], ctx), frozen
@@ -323,6 +448,13 @@ def diff_config() -> ml_collections.ConfigDict:
     # they are exported with instead of one that keeps moving under them.
     # False: the paper's loop, the core trains in both phases.
     d.freeze_core_in_fixmask = False
+    # The fixmask phase's state: "sparse" (each diff's kept values; the
+    # smaller, faster step), "dense" (each diff keeps its shapes with every
+    # gate fixed, kept open and the rest shut: the L0 phase's program, so a
+    # run compiles one train step, not two; the same numbers to rounding) or
+    # "auto" (dense where the next phase is not compiled ahead, i.e. on a CPU
+    # backend, unless a setting reads the kept values; moddiffy.dense_fixmask).
+    d.fixmask_state = "auto"
     # > 0: each attribute's diff may change only the word-embedding rows of
     # at most this many tokens, those whose presence tells most about the
     # attribute beyond the task label on the training split (each scoring at
@@ -366,6 +498,8 @@ def finish(ctx, trainable: dict, frozen: dict, phase: str):
     :mod:`moddiffy_jax.methods.erasure_refit`), and a record per attribute.
     A host-side function of the final state and the training split, so a
     resumed run refits to the same diff."""
+    if phase == "fixmask":  # what follows reads the kept values
+        trainable, frozen = sparse_form(ctx, trainable, frozen)
     share = ctx.config.diff.get("erasure_share", 0.0)
     mode = ctx.config.diff.get("erasure", "off")
     keys = [k for k in diff_keys(ctx.method, ctx.attributes) if k[0] == "diffs"]

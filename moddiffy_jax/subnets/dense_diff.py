@@ -15,6 +15,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moddiffy_jax.subnets import noise
 from moddiffy_jax.subnets.hard_concrete import (
@@ -194,15 +195,29 @@ def apply_dense_diff(
         )
     z = diff_gates(state, rng, hc=hc, train=train)
     return map_subtree(
-        lambda w0, d, g: _combine(w0, d, g, straight_through), base, state.delta, z
+        lambda w0, d, g, la: _combine(w0, d, g, straight_through, la),
+        base,
+        state.delta,
+        z,
+        state.log_alpha,
     )
 
 
-def _combine(w0, delta, gate, straight_through: bool):
-    """``w0 + gate * delta`` (plus the straight-through term), in ``w0``'s dtype."""
+def _combine(w0, delta, gate, straight_through: bool, log_alpha=None):
+    """``w0 + gate * delta`` (plus the straight-through term), in ``w0``'s dtype.
+
+    Entries whose gate is fixed (:data:`FIXED_LOG_ALPHA`, the dense form of the
+    fixmask phase) get no straight-through term: their gradient is ``z * g``,
+    the kept entries' ``g`` and the dropped ones' 0, as a sparse diff's. The
+    term adds an exact zero to the value either way."""
     out = w0 + gate.astype(delta.dtype) * delta
     if straight_through:
-        out = out + (delta - jax.lax.stop_gradient(delta))
+        through = delta - jax.lax.stop_gradient(delta)
+        if log_alpha is not None:
+            through = jnp.where(
+                jnp.abs(log_alpha) < FIXED_BELOW, through, jnp.zeros_like(through)
+            )
+        out = out + through
     return out.astype(jnp.result_type(w0))
 
 
@@ -246,11 +261,13 @@ class GatedRows:
         )
         u = noise.uniform_rows(self.key, self.base.shape, rows)
         gate = gate_from_uniform(jnp.take(self.log_alpha, rows, axis=0), u, hc=self.hc)
+        log_alpha = jnp.take(self.log_alpha, rows, axis=0)
         table = _combine(
             jnp.take(self.base, rows, axis=0),
             jnp.take(self.delta, rows, axis=0),
             gate,
             self.straight_through,
+            log_alpha,
         )
         out = jnp.take(table, inverse.reshape(-1), axis=0)
         return out.reshape(tuple(jnp.shape(ids)) + self.base.shape[1:])
@@ -281,7 +298,9 @@ def _apply_with_gathered_rows(base, state, rng, hc, straight_through, gathered):
         [flat_la[p] for p in dense], [flat_keys[p] for p in dense], hc=hc
     )
     for path, gate in zip(dense, gates, strict=True):
-        new[path] = _combine(flat_base[path], flat_delta[path], gate, straight_through)
+        new[path] = _combine(
+            flat_base[path], flat_delta[path], gate, straight_through, flat_la[path]
+        )
     # Not selection.merge: it would flatten the GatedRows values as subtrees.
     return jax.tree_util.tree_map_with_path(
         lambda keypath, leaf: new.get(path_str(keypath), leaf), base
@@ -328,6 +347,17 @@ def dense_diff_values(state: DiffState, *, hc: HardConcrete = HardConcrete()) ->
 #: so the entry gets no gradient and stays closed.
 CLOSED_LOG_ALPHA = -50.0
 
+#: Gate location of an entry fixed by the cut to the fixmask phase in its
+#: dense form (:func:`fix_gates`): ``+FIXED_LOG_ALPHA`` kept (every sample and
+#: the deterministic gate exactly 1), ``-FIXED_LOG_ALPHA`` dropped (exactly
+#: 0). Neither gets a gradient (the gate, the L0 term and their derivatives
+#: saturate), and :func:`_combine` gives fixed entries no straight-through
+#: term, so the dense step trains exactly the kept entries, as the sparse one.
+FIXED_LOG_ALPHA = 1e6
+#: Gates at or beyond this magnitude count as fixed (an L0 phase's gates stay
+#: far below it; the fixed ones far above, whatever their optimizer does).
+FIXED_BELOW = 1e5
+
 
 def open_entries(state: DiffState) -> PyTree:
     """Bool subtree shaped like ``state.delta``: True where the gate is not
@@ -359,3 +389,42 @@ def close_gates(state: DiffState, keep: PyTree) -> DiffState:
         keep,
     )
     return state.replace(delta=delta, log_alpha=log_alpha)
+
+
+def fix_gates(state: DiffState, kept: PyTree, values: PyTree) -> DiffState:
+    """The dense form of a cut diff: ``values`` at the ``kept`` entries (bool
+    subtree shaped like ``state.delta``), every gate fixed open there and shut
+    elsewhere (:data:`FIXED_LOG_ALPHA`), ``delta`` zero elsewhere.
+
+    Its effective params, gradients and exports are those of the sparse diff
+    of the same entries and values: an unstructured diff only."""
+    if state.structured:
+        raise ValueError(
+            "fix_gates: a structured diff has group gates; use its sparse form."
+        )
+    delta = jax.tree.map(
+        lambda d, k, v: jnp.where(k, jnp.asarray(v, d.dtype), jnp.zeros_like(d)),
+        state.delta,
+        kept,
+        values,
+    )
+    log_alpha = jax.tree.map(
+        lambda la, k: jnp.where(k, FIXED_LOG_ALPHA, -FIXED_LOG_ALPHA).astype(la.dtype),
+        state.log_alpha,
+        kept,
+    )
+    return state.replace(delta=delta, log_alpha=log_alpha)
+
+
+def fixed_kept(state: DiffState) -> PyTree:
+    """Bool subtree shaped like ``state.delta``: the kept entries of a diff in
+    the dense form of :func:`fix_gates`."""
+    return jax.tree.map(lambda la: la >= FIXED_BELOW, state.log_alpha)
+
+
+def is_fixed(state: DiffState) -> bool:
+    """Whether every gate of ``state`` is fixed (:func:`fix_gates`); host-side."""
+    leaves = jax.tree.leaves(state.log_alpha)
+    return bool(leaves) and all(
+        bool(np.all(np.abs(np.asarray(la)) >= FIXED_BELOW)) for la in leaves
+    )

@@ -29,12 +29,16 @@ diffs).
 
 from moddiffy_jax.subnets.dense_diff import (
     CLOSED_LOG_ALPHA,
+    FIXED_LOG_ALPHA,
     DiffState,
     apply_dense_diff,
     close_gates,
     dense_diff_values,
     diff_gates,
+    fix_gates,
+    fixed_kept,
     init_diff,
+    is_fixed,
     l0_penalty,
     open_entries,
 )
@@ -61,6 +65,7 @@ from moddiffy_jax.subnets.sparse_diff import (
 
 __all__ = [
     "CLOSED_LOG_ALPHA",
+    "FIXED_LOG_ALPHA",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "METADATA_KEY",
@@ -77,8 +82,11 @@ __all__ = [
     "close_gates",
     "dense_diff_values",
     "diff_gates",
+    "fix_gates",
+    "fixed_kept",
     "fingerprint",
     "init_diff",
+    "is_fixed",
     "l0_penalty",
     "load_sparse_diff",
     "magnitude_keep_mask",
