@@ -657,3 +657,25 @@ def test_a_row_sharing_an_earlier_rows_diff_copies_its_readings(monkeypatch):
     composition._resolve_leakage(rows)
     assert rows["core+discriminant(age)"]["leakage"]["gender"] == {"linear": 3}
     assert first["leakage"]["gender"] == {"linear": 3}
+
+
+def test_the_parts_functions_are_kept_for_the_last_few_models_only():
+    """``discriminant_diff._parts_fn`` keeps one jitted function per model
+    object, for the latest ``_PARTS_KEPT`` models: a notebook that builds
+    many models does not keep them all alive."""
+    import types
+
+    from moddiffy_jax.eval import discriminant_diff as dd
+
+    dd._PARTS_FNS.clear()
+    models = [
+        types.SimpleNamespace(bert_config=types.SimpleNamespace(num_hidden_layers=2))
+        for _ in range(dd._PARTS_KEPT + 2)
+    ]
+    first = dd._parts_fn(models[0])
+    assert dd._parts_fn(models[0]) is first  # the same model: the same function
+    for m in models[1:]:
+        dd._parts_fn(m)
+    held = [id(entry[0]) for entry in dd._PARTS_FNS.values()]
+    assert held == [id(m) for m in models[-dd._PARTS_KEPT :]]
+    dd._PARTS_FNS.clear()

@@ -415,14 +415,20 @@ def core_parts(
 
 
 _PARTS_FNS: dict[int, tuple[Any, Any]] = {}
+#: The parts functions kept at once (the latest models'): a notebook that
+#: builds many models does not keep every one of them alive.
+_PARTS_KEPT = 4
 
 
 def _parts_fn(model: Any):
     """One jitted parts function per model object (the export's table and
-    the report read the same model)."""
+    the report read the same model), for the last few models only."""
     key = id(model)
     if key not in _PARTS_FNS or _PARTS_FNS[key][0] is not model:
         _PARTS_FNS[key] = (model, erasure_refit.cls_parts_fn(model))
+    _PARTS_FNS[key] = _PARTS_FNS.pop(key)  # the most recent last
+    while len(_PARTS_FNS) > _PARTS_KEPT:
+        del _PARTS_FNS[next(iter(_PARTS_FNS))]
     return _PARTS_FNS[key][1]
 
 
