@@ -127,6 +127,9 @@ def build_context(config: ml_collections.ConfigDict) -> Context:
         check_prune_config(config.diff)
         check_frozen_core(config)
         check_compose(config, method)
+        from moddiffy_jax.methods.moddiffy import dense_fixmask
+
+        dense_fixmask(config)  # a bad diff.fixmask_state fails before training
         diff_settings = common.DiffSettings(
             hc=hard_concrete.HardConcrete(
                 left=config.diff.left,

@@ -158,6 +158,8 @@ def test_the_form_is_checked_and_auto_keeps_what_reads_kept_values_sparse():
     set_fields(config, {"diff.fixmask_state": "packed"})
     with pytest.raises(ValueError, match="use one of"):
         moddiffy.dense_fixmask(config)
+    with pytest.raises(ValueError, match="fixmask_state='packed'"):
+        train.build_context(config)  # before anything trains
 
 
 def _toy_loss(trainable, frozen, batch, rng):
