@@ -260,8 +260,8 @@ class GatedRows:
             flat, size=flat.shape[0], fill_value=flat[0], return_inverse=True
         )
         u = noise.uniform_rows(self.key, self.base.shape, rows)
-        gate = gate_from_uniform(jnp.take(self.log_alpha, rows, axis=0), u, hc=self.hc)
         log_alpha = jnp.take(self.log_alpha, rows, axis=0)
+        gate = gate_from_uniform(log_alpha, u, hc=self.hc)
         table = _combine(
             jnp.take(self.base, rows, axis=0),
             jnp.take(self.delta, rows, axis=0),
