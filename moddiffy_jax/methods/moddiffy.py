@@ -104,19 +104,28 @@ def to_fixmask(
                 new_trainable, key, _fixed(state, sd.indices, sd.values)
             )
             continue
-        # Leaves with no kept entry are left out of the trained state (Orbax
-        # cannot store empty arrays); exports restore them from the rules.
-        kept = [p for p in sd.indices if np.size(sd.indices[p])]
-        new_trainable = common.set_part(
-            new_trainable, key, selection.unflatten({p: sd.values[p] for p in kept})
-        )
-        indices = common.set_part(
-            indices, key, selection.unflatten({p: sd.indices[p] for p in kept})
+        new_trainable, indices = _set_sparse(
+            new_trainable, indices, key, sd.indices, sd.values
         )
         del base
     if not dense:
         new_frozen["indices"] = indices
     return new_trainable, new_frozen
+
+
+def _set_sparse(trainable, indices, key, idx: Mapping, vals: Mapping):
+    """``(trainable, indices)`` with the diff at ``key`` in the sparse form:
+    its kept values, their flat indices (per leaf path) in ``indices``.
+    Leaves with no kept entry are left out of the trained state (Orbax
+    cannot store empty arrays); exports restore them from the rules."""
+    kept = [p for p in idx if np.size(idx[p])]
+    trainable = common.set_part(
+        trainable, key, selection.unflatten({p: vals[p] for p in kept})
+    )
+    indices = common.set_part(
+        indices, key, selection.unflatten({p: idx[p] for p in kept})
+    )
+    return trainable, indices
 
 
 def _fixed(state, indices: Mapping[str, Any], values: Mapping[str, Any]):
@@ -257,14 +266,7 @@ def sparse_form(ctx, trainable: dict, frozen: dict) -> tuple[dict, dict]:
         part = common.get_part(trainable, key)
         if not isinstance(part, diffs_lib.DiffState):
             continue
-        idx, vals = _kept_values(part)
-        kept = [p for p in idx if np.size(idx[p])]
-        trainable = common.set_part(
-            trainable, key, selection.unflatten({p: vals[p] for p in kept})
-        )
-        indices = common.set_part(
-            indices, key, selection.unflatten({p: idx[p] for p in kept})
-        )
+        trainable, indices = _set_sparse(trainable, indices, key, *_kept_values(part))
         changed = True
     if not changed:
         return trainable, frozen
@@ -542,13 +544,7 @@ def finish(ctx, trainable: dict, frozen: dict, phase: str):
         )
         record[key[-1]], refits[key[-1]] = done.record, done
         sd = done.diff
-        kept = [p for p in sd.indices if np.size(sd.indices[p])]
-        trainable = common.set_part(
-            trainable, key, selection.unflatten({p: sd.values[p] for p in kept})
-        )
-        indices = common.set_part(
-            indices, key, selection.unflatten({p: sd.indices[p] for p in kept})
-        )
+        trainable, indices = _set_sparse(trainable, indices, key, sd.indices, sd.values)
     frozen = {**frozen, "indices": indices}
     if d.get("erasure_joint", False) and len(refits) > 1:
         from moddiffy_jax.methods import joint_erasure
