@@ -458,6 +458,41 @@ def test_swap_distill_is_the_task_distill_term_on_unswapped_rows():
     )
 
 
+def test_swap_distill_pivotal_is_the_kl_on_both_twins_where_the_decision_moves(
+    monkeypatch,
+):
+    """``swap_distill_pivotal`` reads only the rows whose swap moves the
+    core's decision, on the batch and on its twin: none under the identity
+    swap; with every row counted as moved, under the identity swap (the twin
+    is the batch) twice task_distill's KL at the same weight, and under the
+    attribute's own swap something else (the twin's own teacher and logits)."""
+    ctx, _, state, frozen, batch = _first_step(
+        "moddiffy_par", **{"method.swap_weight": 1.0}
+    )
+    table = ctx.swap_tables["gender"]
+    debias = dataclasses.replace(
+        ctx.debias, swap_keep_pivotal=True, swap_distill_pivotal=2.0, task_distill=2.0
+    )
+
+    def terms_with(swaps):
+        loss = _gender_loss(ctx, swaps, debias)
+        _, terms = loss(
+            state.trainable, _own_tables(frozen), batch, jax.random.PRNGKey(1)
+        )
+        return {k: float(terms[k]) for k in ("distill", "distill_pivotal")}
+
+    identity = np.arange(table.size)
+    none = terms_with(identity)
+    assert none["distill"] > 0.0 and none["distill_pivotal"] == 0.0
+    monkeypatch.setattr(
+        objectives, "decision_moved", lambda core, twin: jnp.ones(core.shape[:1])
+    )
+    same = terms_with(identity)
+    assert same["distill_pivotal"] == pytest.approx(2 * same["distill"], rel=1e-5)
+    own = terms_with(table)
+    assert own["distill_pivotal"] != pytest.approx(2 * own["distill"], rel=1e-3)
+
+
 def test_task_target_core_decision_fits_the_cores_argmax_not_the_gold_label():
     """With the head's bias set so that the core decides class 0 on every
     row, the gold labels cost the diff's task term ~1e4 on the rows labelled

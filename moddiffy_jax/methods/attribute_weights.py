@@ -25,6 +25,7 @@ ATTRIBUTE_WEIGHTS = (
     "swap_weight",
     "task_distill",
     "swap_distill",
+    "swap_distill_pivotal",
 )
 #: The on/off settings it can set per attribute (true / false, or 1 / 0).
 ATTRIBUTE_SWITCHES = ("swap_keep_task", "swap_keep_pivotal")

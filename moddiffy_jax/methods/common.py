@@ -111,10 +111,9 @@ class MethodDef:
             raise ValueError(f"debias must be one of {DEBIAS_MODES}")
 
 
-# --------------------------------------------------------------------------
 # Optimizers: per-role learning rates (role_partition.py). Roles by path
-# inside the trained parts, first match wins; the optimizer config gives
-# each role a learning rate and a weight decay.
+# inside the trained parts, first match wins; the optimizer config gives each
+# role a learning rate and a weight decay.
 ROLE_RULES: tuple[tuple[str, str], ...] = (
     (r"core/.*", "encoder"),
     (r"adapters/.*", "adapter"),
@@ -329,7 +328,6 @@ def schedule_substeps(
     return out
 
 
-# --------------------------------------------------------------------------
 # Encoder parameters of a configuration.
 
 
@@ -466,14 +464,12 @@ def _task_forward(
     """Encoder forward (with ``attribute``'s diff, if any) and the task term.
 
     Returns ``(h, logits, terms, rng_for_removal, task_of, represent,
-    decision)`` with ``terms = {"task": loss}``, ``task_of(h)`` the task term
-    as a function of the representations (the same head, dropout and
-    labels), ``represent(other_batch)`` the representations of another batch
-    of the same shapes under the same encoder params and dropout masks, and
+    decision)``: ``terms = {"task": loss}``, ``task_of(h)`` the task term as a
+    function of the representations (the same head, dropout and labels),
+    ``represent(other_batch, read)`` another batch's representations (and
+    with ``read`` the head's logits) under the same params and dropout, and
     ``decision(h)`` each row's directions that move the head's decision
-    ([B, C - 1, H]: the logit differences' gradients, head in eval mode, no
-    gradient).
-    """
+    ([B, C - 1, H]: the logit differences' gradients, eval mode, no gradient)."""
     r_diff, r_enc, r_head, r_adv = jax.random.split(rng, 4)
     params, head = _encoder_and_head(
         method, trainable, frozen, phase, settings, attribute, r_diff, train=True
@@ -494,8 +490,9 @@ def _task_forward(
             task_loss, model.task_logits(head, reps, r_head, True), batch
         )
 
-    def represent(other):
-        return model.represent(params, other, r_enc, True)
+    def represent(other, read=False):  # read: with the head's logits on them
+        reps = model.represent(params, other, r_enc, True)
+        return (reps, model.task_logits(head, reps, r_head, True)) if read else reps
 
     def decision(reps):
         def margins(row):  # logit differences against the first class
@@ -709,9 +706,9 @@ def make_debias_loss(
             core_prediction, batch, swapped if pivotal else None
         )
 
-        def distill(weight, teacher=core_on_batch):  # the mean KL from it
-            every = jnp.ones(logits.shape[:1], bool)
-            return weight * objectives.kl_where(teacher(), logits, every)
+        def distill(weight, teacher=core_on_batch, rows=None):  # the mean KL
+            rows = jnp.ones(logits.shape[:1], bool) if rows is None else rows
+            return weight * objectives.kl_where(teacher(), logits, rows)
 
         if own.task_distill > 0.0:
             terms["distill"] = distill(own.task_distill)
@@ -758,16 +755,19 @@ def make_debias_loss(
             anchor=anchor,
         )
         if swapped is not None:  # the twin under the same params and dropout
-            h_swapped = represent({**batch, "input_ids": swapped})
+            h_swapped, twin_logits = represent({**batch, "input_ids": swapped}, True)
             if not debias.swap_twin_gradient:
                 h_swapped = jax.lax.stop_gradient(h_swapped)
             changed = jnp.any(swapped != ids, axis=-1)
             if own.swap_distill > 0.0:  # the core's decision where no word swaps
-                kl = objectives.kl_where(core_on_batch(), logits, ~changed)
-                terms["distill_unswapped"] = own.swap_distill * kl
+                terms["distill_unswapped"] = distill(own.swap_distill, rows=~changed)
             keep = decision(h) if own.swap_keep_task else None
             if pivotal:  # where the swap moves it, or switched
                 moved = objectives.decision_moved(core_on_batch(), core_on_twin())
+                if own.swap_distill_pivotal > 0.0:  # kept there, on both twins
+                    kl = objectives.kl_where(core_on_twin(), twin_logits, moved > 0.0)
+                    kl = kl + objectives.kl_where(core_on_batch(), logits, moved > 0.0)
+                    terms["distill_pivotal"] = own.swap_distill_pivotal * kl
                 moved = jnp.maximum(moved, 0.0 if switched is None else switched)
                 keep = decision(h) * moved[:, None, None]
             if keep is None and switched is not None:  # 0: no direction kept

@@ -176,6 +176,9 @@ class DebiasSettings:
     # > 0: the KL from the core's prediction, weighted so, on the rows the
     # swap leaves unchanged (what the diff has no reason to move).
     swap_distill: float = 0.0
+    # > 0 (with swap_keep_pivotal): the KL from the teacher on both twins,
+    # weighted so, over the pairs whose swap moves the teacher's decision.
+    swap_distill_pivotal: float = 0.0
     # swap_reread_mode "decision": the KL weight of an attribute switched to
     # keeping the core's decision (methods/swap_reread.py).
     swap_keep_distill: float = 3.0
@@ -638,6 +641,7 @@ def settings_from_config(
     for key, low, high, meaning in (
         ("task_distill", 0.0, float("inf"), "0 turns the task-keeping term off"),
         ("swap_distill", 0.0, float("inf"), "0 turns the unswapped rows' KL off"),
+        ("swap_distill_pivotal", 0.0, float("inf"), "0 turns the pivotal KL off"),
         ("mmd_whiten_decay", 0.0, 1.0, "the running covariance's EMA decay"),
         ("task_guard_slack", -1.0, 1.0, "an accuracy difference"),
         ("task_guard_rate", 0.0, float("inf"), "the dual step size"),

@@ -256,6 +256,13 @@ def config_fields() -> ml_collections.ConfigDict:
     # both's gender removal lost (the core as the teacher); off here, 3 in
     # MoDDiffy-par's swap recipe since stop 68 (config_lib.SWAP_KEEP).
     f.swap_distill = 0.0
+    # > 0 (with swap_keep_pivotal): the KL from the teacher's prediction on
+    # the batch and on its twin, with this weight, over the pairs whose swap
+    # moves the teacher's decision (where the attribute decides the task).
+    # Measured on README command 1 (docs/efficacy.md, "Stop 72"): at 3 age's
+    # cost 2.2 -> 0.9 points, but its removal 0.74 -> 0.08 of its gap and
+    # gender's 0.81 -> 0.03: a trade, not adopted; off.
+    f.swap_distill_pivotal = 0.0
     # True (with diff.compose_prob > 0): when a debias step adds another
     # attribute's diff, its twin also swaps that attribute's words, so this
     # diff is asked not to give back what the other removed (core + both).
@@ -305,6 +312,7 @@ LATER_FIELDS = (
     ("swap_keep_task", False),
     ("swap_keep_pivotal", False),
     ("swap_distill", 0.0),
+    ("swap_distill_pivotal", 0.0),
     ("swap_keep_distill", 3.0),
     ("swap_compose", False),
 )
