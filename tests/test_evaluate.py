@@ -323,8 +323,12 @@ def test_discriminant_weight_rows(run):
     for a, b in zip(*dense, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4)
     by_pass = plain.represent(written[1].diff)
+    # To the vectors' scale: the closed form sums the last layer in another
+    # order, and on an AVX-512 machine (stop 72) the diff's coordinate (up to
+    # ~26) moved by up to 0.026 (a wrong diff moves it by its whole size).
     for s, h in closed.represent(written[1].diff).items():
-        np.testing.assert_allclose(h, by_pass[s], atol=1e-5)
+        scale = float(np.abs(by_pass[s]).max())
+        np.testing.assert_allclose(h, by_pass[s], atol=2e-3 * scale)
     # Known vectors and parts are kept: no pass (no model to run here).
     again = discriminant_diff.encode_core(None, None, splits, reps, parts)
     assert all(
