@@ -235,6 +235,20 @@ def test_the_debias_step_reads_the_swapped_twin():
         ("moddiffy_par", {"method.swap_target": 1.5}, "swap_target must be a share"),
         ("moddiffy_par", {"method.swap_max_drop": -1.0}, "swap_max_drop must be"),
         ("moddiffy_par", {"method.swap_distill": -1.0}, "swap_distill must be in"),
+        (
+            "moddiffy_par",
+            {"method.swap_distill_pivotal": 1.0, "method.swap_keep_pivotal": False},
+            "swap_keep_pivotal is off",
+        ),
+        (
+            "moddiffy_par",
+            {
+                "method.swap_keep_pivotal": True,
+                "method.attribute_weights": "gender: swap_distill_pivotal=1, "
+                "swap_keep_pivotal=false",
+            },
+            "swap_distill_pivotal for 'gender'",
+        ),
         ("diffprun_debias", {"method.swap_weight": 1.0}, "modular debiasing"),
     ],
 )

@@ -745,6 +745,19 @@ def settings_from_config(
             raise ValueError(
                 f"config.method.{name} must be True or False, got {fields[name]!r}."
             )
+    for attribute, own in [("", {}), *fields["attribute_weights"].items()]:
+        pivotal_kl = own.get("swap_distill_pivotal", fields["swap_distill_pivotal"])
+        if pivotal_kl > 0.0 and not own.get(
+            "swap_keep_pivotal", fields["swap_keep_pivotal"]
+        ):
+            where = f" for {attribute!r}" if attribute else ""
+            raise ValueError(
+                f"config.method.swap_distill_pivotal{where} is {pivotal_kl} but "
+                "swap_keep_pivotal is off, so no pair is marked pivotal and the KL "
+                "would do nothing: set config.method.swap_keep_pivotal=True (or "
+                f"'{attribute or 'ATTRIBUTE'}: swap_keep_pivotal=true' in "
+                "attribute_weights), or swap_distill_pivotal=0."
+            )
     if not 0.0 <= fields["swap_target"] <= 1.0:
         raise ValueError(
             "config.method.swap_target must be a share of the gap in [0, 1] (0 "
