@@ -106,6 +106,12 @@ def main() -> None:
         help="the Bayes rule's accuracy on the main job's own split instead",
     )
     parser.add_argument("--data_seed", type=int, default=0)
+    parser.add_argument(
+        "--hide",
+        default="",
+        help="with --split: comma-separated marker words read as absent (a "
+        "swap diff's hidden counterpart pairs), for one more row",
+    )
     args = parser.parse_args()
     if args.split:
         split_accuracies(args)
@@ -151,7 +157,7 @@ def main() -> None:
 def split_accuracies(args) -> dict[str, float]:
     """The Bayes rule's task accuracy on the main job's own ``args.split``
     with each set of cues (the text's cues parsed from its words), printed
-    and returned by cue set ("tga", "ta", "tg", "t"; "noisy": the share
+    and returned by cue set ("tga", "ta", "tg", "t"; "thi" with --hide: each marker unless hidden; "noisy": the share
     of rows whose task word is not the label's)."""
     from moddiffy_jax.config_lib import experiment_config
     from moddiffy_jax.data.synthetic import ATTR_MARKERS, TASK_WORDS, generate_synthetic
@@ -171,12 +177,20 @@ def split_accuracies(args) -> dict[str, float]:
     y = np.asarray(split.task)
     words = {"negative": TASK_WORDS["negative"], "positive": TASK_WORDS["positive"]}
 
-    def cue(table):  # +1 for class 1's words, -1 for class 0's, 0 for none
+    hidden = {w.strip() for w in getattr(args, "hide", "").split(",") if w.strip()}
+    known = {w for m in ATTR_MARKERS.values() for ws in m.values() for w in ws}
+    if hidden - known:
+        raise SystemExit(
+            f"--hide names {sorted(hidden - known)}, which are not marker words "
+            f"of the generator (moddiffy_jax/data/synthetic.py ATTR_MARKERS)."
+        )
+
+    def cue(table, hide=()):  # +1 for class 1's words, -1 for class 0's, 0 for none
         out = np.zeros(len(y))
         for i, text in enumerate(split.text):
             padded = f" {text} "
             for c, ws in enumerate(table.values()):
-                if any(f" {w} " in padded for w in ws):
+                if any(f" {w} " in padded for w in ws if w not in hide):
                     out[i] = 1.0 if c == 1 else -1.0
         return out
 
@@ -189,6 +203,8 @@ def split_accuracies(args) -> dict[str, float]:
         "g": cue(ATTR_MARKERS["gender"]) * log_ratio(follow["gender"]),
         "a": cue(ATTR_MARKERS["age"]) * log_ratio(follow["age"]),
     }
+    evidence["h"] = cue(ATTR_MARKERS["gender"], hidden) * log_ratio(follow["gender"])
+    evidence["i"] = cue(ATTR_MARKERS["age"], hidden) * log_ratio(follow["age"])
     noisy = np.mean((evidence["t"] > 0) != (y == 1))
     print(
         f"{args.split} split (data seed {args.data_seed}): {len(y)} rows, "
@@ -197,12 +213,15 @@ def split_accuracies(args) -> dict[str, float]:
     print("| cues | task accuracy |")
     print("|---|---|")
     out = {"noisy": float(noisy)}
-    for label, keys in (
+    rows = [
         ("t, g, a (all cues)", "tga"),
         ("t, a (gender left out)", "ta"),
         ("t, g (age left out)", "tg"),
         ("t (both left out)", "t"),
-    ):
+    ]
+    if hidden:  # "thi": t, and each marker unless it is a hidden word
+        rows.append((f"t, g, a with {', '.join(sorted(hidden))} read as absent", "thi"))
+    for label, keys in rows:
         d = sum(evidence[k] for k in keys)
         right = np.where(np.isclose(d, 0.0), 0.5, (d > 0) == (y == 1))
         out[keys] = float(np.mean(right))

@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from moddiffy_jax.data.synthetic import TASK_WORDS, generate_synthetic
 
@@ -48,3 +49,31 @@ def test_the_split_bayes_rule_reads_the_generators_cues(capsys):
     assert out["ta"] == out["t"]
     assert 0.85 < out["tg"] < out["tga"]
     assert "test split (data seed 0): 3000 rows" in capsys.readouterr().out
+
+
+def _args(hide=""):
+    return argparse.Namespace(
+        split="test",
+        data_seed=0,
+        gender_corr=0.8,
+        age_corr=0.5,
+        label_noise=0.1,
+        marker_prob=0.9,
+        hide=hide,
+    )
+
+
+def test_hidden_marker_words_are_read_as_absent(capsys):
+    script = _script()
+    old = ("retirement", "grandchildren", "pension", "retired", "my grandson")
+    young = ("homework", "college", "school", "classmates", "my exams")
+    # Hiding every age word is the row with age left out; one pair costs
+    # something but less than two (each pair hides a fifth of the markers).
+    every = script.split_accuracies(_args(",".join(old + young)))
+    assert every["thi"] == every["tg"]
+    one = script.split_accuracies(_args("pension,school"))["thi"]
+    two = script.split_accuracies(_args("pension,school,college,retirement"))["thi"]
+    assert every["tg"] < two < one < every["tga"]
+    assert "pension, school read as absent" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="grandpa.*ATTR_MARKERS"):
+        script.split_accuracies(_args("pension,grandpa"))
