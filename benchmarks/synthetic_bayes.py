@@ -24,7 +24,7 @@ the decision, and for core + both (both diffs' twins meeting wherever the
 decision stays, so only the markers' presence and the decision are left)
 the task word, which markers are present and the decision.
 
-    python benchmarks/synthetic_bayes.py [--curve]
+    python benchmarks/synthetic_bayes.py [--curve] [--pairs]
 
 ``--curve`` adds partial removal at the Bayes optimum: each attribute's
 marker hidden (read as absent) or flipped on a random share of the
@@ -33,6 +33,10 @@ attributes at once the least cost at which both gaps are half closed. A
 diff trained on counterfactual word swaps makes the marker unreadable, as
 "hidden" does (docs/efficacy.md, "Stop 47").
 
+``--pairs`` (stop 73) hides by words, as a swap diff can: whole
+counterpart pairs (a pair's two words made one), and a word of one class
+read as absent (one-sided); see :func:`pairs`.
+
 ``--split dev`` / ``--split test`` (stop 63) applies the process's Bayes
 rule (its likelihood ratios, ties counted as half right) to the rows of
 the main job's own split (``--data_seed``; its split sizes, 2,000 dev
@@ -40,7 +44,11 @@ and 3,000 test examples), with each set of cues: what a head reading exactly tho
 scores on *that* split. A finite split's label noise differs from the
 process's (the main job's test split has 8.9% noisy task words, its dev
 split 10.9%), so these are the references a run's test (or dev) accuracy
-should be read against.
+should be read against. With ``--split``, ``--hide WORD,...`` (stop 73)
+adds the row with those marker words read as absent (what hiding a swap
+diff's counterpart pairs costs at the optimum on that split), and
+``--spread ATTR:K`` prints that cost's spread over every choice of K
+marker words of each class.
 
 Numbers are of the SYNTHETIC process, not of a trained model.
 """
@@ -105,6 +113,17 @@ def main() -> None:
         choices=("dev", "test"),
         help="the Bayes rule's accuracy on the main job's own split instead",
     )
+    parser.add_argument(
+        "--pairs",
+        action="store_true",
+        help="word-level hiding: whole counterpart pairs and one-sided words",
+    )
+    parser.add_argument(
+        "--spread",
+        default="",
+        help="with --split: ATTR:K, the Bayes cost of every way of hiding K "
+        "of the attribute's marker words of each class (K counterpart pairs)",
+    )
     parser.add_argument("--data_seed", type=int, default=0)
     parser.add_argument(
         "--hide",
@@ -113,6 +132,16 @@ def main() -> None:
         "swap diff's hidden counterpart pairs), for one more row",
     )
     args = parser.parse_args()
+    if args.split and args.spread:
+        name, _, k = args.spread.partition(":")
+        costs = hidden_pairs_spread(args, name, int(k))
+        print(
+            f"{args.split} split (data seed {args.data_seed}), {name}: {k} words of "
+            f"each class hidden, {len(costs)} choices: Bayes cost min "
+            f"{costs.min():.2f}, median {np.median(costs):.2f}, max {costs.max():.2f} "
+            f"points; within 2 points: {np.mean(costs <= 2.0):.0%}"
+        )
+        return
     if args.split:
         split_accuracies(args)
         return
@@ -152,15 +181,15 @@ def main() -> None:
     if args.curve:
         curve(rng, y, t, values, seen)
         joint(rng, y, t, values, seen)
+    if args.pairs:
+        pairs(rng, y, t, values, seen)
 
 
-def split_accuracies(args) -> dict[str, float]:
-    """The Bayes rule's task accuracy on the main job's own ``args.split``
-    with each set of cues (the text's cues parsed from its words), printed
-    and returned by cue set ("tga", "ta", "tg", "t"; "thi" with --hide: each marker unless hidden; "noisy": the share
-    of rows whose task word is not the label's)."""
+def _main_job_split(args):
+    """The main job's ``args.split`` (its generator settings and sizes) and
+    the attributes' task correlations."""
     from moddiffy_jax.config_lib import experiment_config
-    from moddiffy_jax.data.synthetic import ATTR_MARKERS, TASK_WORDS, generate_synthetic
+    from moddiffy_jax.data.synthetic import generate_synthetic
 
     sizes = experiment_config("moddiffy_par", "").data.synthetic  # the main job's
     corr = {"gender": args.gender_corr, "age": args.age_corr}
@@ -173,7 +202,73 @@ def split_accuracies(args) -> dict[str, float]:
         label_noise=args.label_noise,
         attr_marker_prob=args.marker_prob,
     )
-    split = data.splits[args.split]
+    return data.splits[args.split], corr
+
+
+def hidden_pairs_spread(args, attribute: str, k: int) -> np.ndarray:
+    """Every way of hiding ``k`` of ``attribute``'s marker words of each
+    class (what swapping k counterpart pairs can hide: the pairing does not
+    matter to the Bayes rule) on the main job's ``args.split``: the Bayes
+    rule's task cost in points against all cues, one per choice, sorted."""
+    import itertools
+
+    from moddiffy_jax.data.synthetic import ATTR_MARKERS, TASK_WORDS
+
+    split, corr = _main_job_split(args)
+    y = np.asarray(split.task) == 1
+    follow = {n: corr[n] + (1 - corr[n]) / 2 for n in corr}
+
+    def which(words):  # per row: the index of its word in ``words``, or -1
+        out = np.full(len(y), -1)
+        for i, text in enumerate(split.text):
+            padded = f" {text} "
+            for j, w in enumerate(words):
+                if f" {w} " in padded:
+                    out[i] = j
+        return out
+
+    ratio = {
+        "task": np.log((1 - args.label_noise) / args.label_noise),
+        **{n: np.log(follow[n] / (1 - follow[n])) for n in follow},
+    }
+    evidence = np.zeros(len(y))
+    marker = {}
+    task_words = {c: TASK_WORDS[c] for c in ("negative", "positive")}
+    for name, table in (("task", task_words), *ATTR_MARKERS.items()):
+        classes = list(table.values())
+        for c in (0, 1):
+            found = which(classes[c]) if name == attribute else None
+            sign = 1.0 if c == 1 else -1.0
+            if found is not None:
+                marker[c] = found
+                evidence[found >= 0] += sign * ratio[name]
+            else:
+                rows = which(classes[c]) >= 0
+                evidence[rows] += sign * ratio[name]
+
+    def accuracy(d):
+        return np.mean(np.where(np.isclose(d, 0.0), 0.5, (d > 0) == y))
+
+    full = accuracy(evidence)
+    n_words = [len(v) for v in ATTR_MARKERS[attribute].values()]
+    costs = []
+    for hide0 in itertools.combinations(range(n_words[0]), k):
+        for hide1 in itertools.combinations(range(n_words[1]), k):
+            d = evidence.copy()
+            d[np.isin(marker[0], hide0)] += ratio[attribute]  # class 0 read -1
+            d[np.isin(marker[1], hide1)] -= ratio[attribute]
+            costs.append(100.0 * (full - accuracy(d)))
+    return np.sort(np.asarray(costs))
+
+
+def split_accuracies(args) -> dict[str, float]:
+    """The Bayes rule's task accuracy on the main job's own ``args.split``
+    with each set of cues (the text's cues parsed from its words), printed
+    and returned by cue set ("tga", "ta", "tg", "t"; "thi" with --hide: each marker unless hidden; "noisy": the share
+    of rows whose task word is not the label's)."""
+    from moddiffy_jax.data.synthetic import ATTR_MARKERS, TASK_WORDS
+
+    split, corr = _main_job_split(args)
     y = np.asarray(split.task)
     words = {"negative": TASK_WORDS["negative"], "positive": TASK_WORDS["positive"]}
 
@@ -326,6 +421,42 @@ def joint(rng, y, t, values, seen) -> None:
                 f"| {fg} | {fa} | {sg:.2f}, {sa:.2f} | {cost:.2f} | {cg:.2f} "
                 f"| {ca:.2f} |"
             )
+
+
+def pairs(rng, y, t, values, seen) -> None:
+    """Hiding by words, as a diff trained on counterpart swaps can: the
+    generator picks each marker word uniformly among its class's words
+    (moddiffy_jax/data/synthetic.py ATTR_MARKERS), and a representation
+    that holds every word apart is the lookup table on (t, other marker,
+    the word). Hiding k counterpart pairs merges each pair's two words into
+    one state (their swap's invariance); hiding a word one-sidedly reads
+    it as absent (merged with the rows that have no marker, whose filler
+    words are merged too). Cost in points against all cues and the share
+    of the gap closed (stop 73)."""
+    from moddiffy_jax.data.synthetic import ATTR_MARKERS
+
+    floor, lead = _floor_and_lead(y, t, values, seen)
+    acc0 = np.mean(decide([t, seen["gender"], seen["age"]], y) == y)
+    for name, other in (("gender", "age"), ("age", "gender")):
+        n_words = min(len(ws) for ws in ATTR_MARKERS[name].values())
+        word = rng.integers(0, n_words, len(y))  # the marker's word, if present
+        marker, value = seen[name], values[name]
+        print(f"\n{name}: {n_words} marker words a class, hidden by words")
+        print("| pairs hidden | class-0 words one-sided | cost (pts) | gap closed |")
+        print("|---|---|---|---|")
+        for k in range(0, 4):
+            for one_sided in (0, 1, 2):
+                state = np.where(marker == 2, 0, 10 + 2 * word + marker)
+                state = np.where((marker < 2) & (word < k), 1 + word, state)
+                hide = (marker == 0) & (word >= k) & (word < k + one_sided)
+                state = np.where(hide, 0, state)
+                cols = [t, seen[other], state]
+                acc = np.mean(decide(cols, y) == y)
+                leak = balanced_accuracy(decide(cols, value, balanced=True), value)
+                closed = (lead[name] - leak) / (lead[name] - floor[name])
+                print(
+                    f"| {k} | {one_sided} | {100 * (acc0 - acc):.2f} | {closed:.2f} |"
+                )
 
 
 def curve(rng, y, t, values, seen) -> None:

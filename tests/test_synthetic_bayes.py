@@ -77,3 +77,41 @@ def test_hidden_marker_words_are_read_as_absent(capsys):
     assert "pension, school read as absent" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="grandpa.*ATTR_MARKERS"):
         script.split_accuracies(_args("pension,grandpa"))
+
+
+def test_word_level_hiding_rows(capsys):
+    script = _script()
+    rng = np.random.default_rng(0)
+    y, t, values, seen = script.sample(
+        300_000, rng, {"gender": 0.8, "age": 0.5}, 0.1, 0.9
+    )
+    script.pairs(rng, y, t, values, seen)
+    out = capsys.readouterr().out.split("age: 5 marker words")[1]
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 4 and cells[0].isdigit():
+            rows[int(cells[0]), int(cells[1])] = float(cells[2]), float(cells[3])
+    assert abs(rows[0, 0][0]) < 0.1 and abs(rows[0, 0][1]) < 0.02
+    # Each pair hides a fifth of the markers: cost and removal grow with k.
+    assert rows[1, 0][0] < rows[2, 0][0] < rows[3, 0][0]
+    assert rows[1, 0][1] < rows[2, 0][1] < rows[3, 0][1]
+    # An age word read as absent keeps its tie-break (the absent state
+    # leans to its class): no cost, more of the gap closed.
+    assert abs(rows[2, 1][0] - rows[2, 0][0]) < 0.15
+    assert rows[2, 1][1] > rows[2, 0][1] + 0.05
+
+
+def test_the_spread_of_hidden_pairs_holds_each_choice():
+    script = _script()
+    old, young = (
+        ("pension", "retirement", "retired"),
+        ("school", "college", "classmates"),
+    )
+    out = script.split_accuracies(_args(",".join(old + young)))
+    costs = script.hidden_pairs_spread(_args(), "age", 3)
+    assert len(costs) == 100  # 3 of 5 words of each class: 10 x 10
+    assert np.isclose(costs, 100.0 * (out["tga"] - out["thi"])).any()
+    assert script.hidden_pairs_spread(_args(), "age", 0).tolist() == [0.0]
+    every = script.hidden_pairs_spread(_args(), "age", 5)
+    assert np.isclose(every, 100.0 * (out["tga"] - out["tg"])).all()
