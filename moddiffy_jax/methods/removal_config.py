@@ -170,7 +170,9 @@ def config_fields() -> ml_collections.ConfigDict:
     # recipe sets 0.75; 0.6 (stops 46-47, ten main-job runs where it chose
     # fewer groups) lowered the cost of diffs that remove past their floor
     # and passed 14 of 20 single diffs against 11, equal on held-out
-    # samples: the choice where the task cost is what fails.
+    # samples: the choice where the task cost is what fails. Stop 73 (the
+    # stop-68 recipe, seeds 0 and 2): 0.6 takes two gender pairs and age's
+    # same three; gender removes less at the same cost (negative).
     f.swap_target = 0.0
     f.swap_max_drop = 2.5
     # > 0: each swapped attribute's swap weight is swap_weight times its read
