@@ -1,5 +1,5 @@
-"""benchmarks/synthetic_bayes.py --split: the Bayes rule on the main job's
-own split reads the cues the generator wrote."""
+"""benchmarks/synthetic_bayes.py: the Bayes rule on the main job's own split
+reads the cues the generator wrote; hiding by words (--hide, --spread, --pairs)."""
 
 import argparse
 import importlib.util
@@ -19,16 +19,20 @@ def _script():
     return module
 
 
-def test_the_split_bayes_rule_reads_the_generators_cues(capsys):
-    args = argparse.Namespace(
+def _args(hide=""):
+    return argparse.Namespace(
         split="test",
         data_seed=0,
         gender_corr=0.8,
         age_corr=0.5,
         label_noise=0.1,
         marker_prob=0.9,
+        hide=hide,
     )
-    out = _script().split_accuracies(args)
+
+
+def test_the_split_bayes_rule_reads_the_generators_cues(capsys):
+    out = _script().split_accuracies(_args())
     # The task word alone: right exactly where the text's word is the label's.
     split = generate_synthetic(
         seed=0,
@@ -49,18 +53,6 @@ def test_the_split_bayes_rule_reads_the_generators_cues(capsys):
     assert out["ta"] == out["t"]
     assert 0.85 < out["tg"] < out["tga"]
     assert "test split (data seed 0): 3000 rows" in capsys.readouterr().out
-
-
-def _args(hide=""):
-    return argparse.Namespace(
-        split="test",
-        data_seed=0,
-        gender_corr=0.8,
-        age_corr=0.5,
-        label_noise=0.1,
-        marker_prob=0.9,
-        hide=hide,
-    )
 
 
 def test_hidden_marker_words_are_read_as_absent(capsys):
