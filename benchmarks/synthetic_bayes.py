@@ -205,6 +205,18 @@ def _main_job_split(args):
     return data.splits[args.split], corr
 
 
+def _word_index(texts, words) -> np.ndarray:
+    """Per text: the index in ``words`` of the (last) one it holds as a
+    whole word, or -1."""
+    out = np.full(len(texts), -1)
+    for i, text in enumerate(texts):
+        padded = f" {text} "
+        for j, w in enumerate(words):
+            if f" {w} " in padded:
+                out[i] = j
+    return out
+
+
 def hidden_pairs_spread(args, attribute: str, k: int) -> np.ndarray:
     """Every way of hiding ``k`` of ``attribute``'s marker words of each
     class (what swapping k counterpart pairs can hide: the pairing does not
@@ -218,15 +230,13 @@ def hidden_pairs_spread(args, attribute: str, k: int) -> np.ndarray:
     y = np.asarray(split.task) == 1
     follow = {n: corr[n] + (1 - corr[n]) / 2 for n in corr}
 
-    def which(words):  # per row: the index of its word in ``words``, or -1
-        out = np.full(len(y), -1)
-        for i, text in enumerate(split.text):
-            padded = f" {text} "
-            for j, w in enumerate(words):
-                if f" {w} " in padded:
-                    out[i] = j
-        return out
-
+    if attribute not in ATTR_MARKERS or not 0 <= k <= min(
+        len(ws) for ws in ATTR_MARKERS.get(attribute, {"": ()}).values()
+    ):
+        raise SystemExit(
+            f"--spread {attribute}:{k}: the attribute must be one of "
+            f"{sorted(ATTR_MARKERS)} and K at most its words a class."
+        )
     ratio = {
         "task": np.log((1 - args.label_noise) / args.label_noise),
         **{n: np.log(follow[n] / (1 - follow[n])) for n in follow},
@@ -237,14 +247,10 @@ def hidden_pairs_spread(args, attribute: str, k: int) -> np.ndarray:
     for name, table in (("task", task_words), *ATTR_MARKERS.items()):
         classes = list(table.values())
         for c in (0, 1):
-            found = which(classes[c]) if name == attribute else None
-            sign = 1.0 if c == 1 else -1.0
-            if found is not None:
+            found = _word_index(split.text, classes[c])
+            if name == attribute:
                 marker[c] = found
-                evidence[found >= 0] += sign * ratio[name]
-            else:
-                rows = which(classes[c]) >= 0
-                evidence[rows] += sign * ratio[name]
+            evidence[found >= 0] += (1.0 if c == 1 else -1.0) * ratio[name]
 
     def accuracy(d):
         return np.mean(np.where(np.isclose(d, 0.0), 0.5, (d > 0) == y))
@@ -264,8 +270,9 @@ def hidden_pairs_spread(args, attribute: str, k: int) -> np.ndarray:
 def split_accuracies(args) -> dict[str, float]:
     """The Bayes rule's task accuracy on the main job's own ``args.split``
     with each set of cues (the text's cues parsed from its words), printed
-    and returned by cue set ("tga", "ta", "tg", "t"; "thi" with --hide: each marker unless hidden; "noisy": the share
-    of rows whose task word is not the label's)."""
+    and returned by cue set ("tga", "ta", "tg", "t"; with --hide "thi":
+    each marker unless it is a hidden word; "noisy": the share of rows
+    whose task word is not the label's)."""
     from moddiffy_jax.data.synthetic import ATTR_MARKERS, TASK_WORDS
 
     split, corr = _main_job_split(args)
@@ -282,11 +289,9 @@ def split_accuracies(args) -> dict[str, float]:
 
     def cue(table, hide=()):  # +1 for class 1's words, -1 for class 0's, 0 for none
         out = np.zeros(len(y))
-        for i, text in enumerate(split.text):
-            padded = f" {text} "
-            for c, ws in enumerate(table.values()):
-                if any(f" {w} " in padded for w in ws if w not in hide):
-                    out[i] = 1.0 if c == 1 else -1.0
+        for c, ws in enumerate(table.values()):
+            found = _word_index(split.text, [w for w in ws if w not in hide])
+            out[found >= 0] = 1.0 if c == 1 else -1.0
         return out
 
     def log_ratio(p):  # a cue that follows y with probability p
@@ -298,8 +303,11 @@ def split_accuracies(args) -> dict[str, float]:
         "g": cue(ATTR_MARKERS["gender"]) * log_ratio(follow["gender"]),
         "a": cue(ATTR_MARKERS["age"]) * log_ratio(follow["age"]),
     }
-    evidence["h"] = cue(ATTR_MARKERS["gender"], hidden) * log_ratio(follow["gender"])
-    evidence["i"] = cue(ATTR_MARKERS["age"], hidden) * log_ratio(follow["age"])
+    if hidden:  # "h", "i": the markers with the hidden words read as absent
+        evidence["h"] = cue(ATTR_MARKERS["gender"], hidden) * log_ratio(
+            follow["gender"]
+        )
+        evidence["i"] = cue(ATTR_MARKERS["age"], hidden) * log_ratio(follow["age"])
     noisy = np.mean((evidence["t"] > 0) != (y == 1))
     print(
         f"{args.split} split (data seed {args.data_seed}): {len(y)} rows, "
