@@ -10,6 +10,9 @@ on dev; methods/swap_budget.py), and which prefix ``swap_target`` /
 
 Prints one table per attribute (groups as text, task accuracy, attribute
 balanced accuracy, cost in points, share of the gap to the floor closed).
+``--one_sided`` adds the attribute's filler tokens and the one-sided steps
+read beside the choice (methods/one_sided.py; ``swap_one_sided``), and
+the choice with them.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ def main():
     parser.add_argument("--share", type=float, default=0.1)
     parser.add_argument("--target", type=float, default=0.75)
     parser.add_argument("--max_drop", type=float, default=2.5)
+    parser.add_argument("--one_sided", action="store_true")
     args = parser.parse_args()
 
     from moddiffy_jax import train
     from moddiffy_jax.config_lib import experiment_config
-    from moddiffy_jax.methods import swap_budget
+    from moddiffy_jax.methods import one_sided, swap_budget
 
     arg = ",".join(x for x in (args.arg, "objective=swap") if x)
     config = experiment_config(args.method, arg)
@@ -38,10 +42,19 @@ def main():
         config.data.seed = args.seed
         config.method.swap_candidates = args.candidates
         config.method.swap_share = args.share
+        config.method.swap_target = 0.0  # every group, read below
     ctx = train.build_context(config)
     text = train.swap_group_text(config, ctx.swap_groups)
     splits = ctx.data.splits
     for attr, groups in ctx.swap_groups.items():
+        fillers = None
+        if args.one_sided:
+            fillers = one_sided.filler_tokens(
+                splits["train"],
+                attr,
+                [int(t) for g in groups for t in g],
+                int(splits["train"].input_ids.max()) + 1,
+            )
         choice = swap_budget.choose_groups(
             splits["train"],
             splits["dev"],
@@ -51,6 +64,7 @@ def main():
             num_attr_classes=int(ctx.debias.attr_classes[attr]),
             target=args.target,
             max_drop=args.max_drop,
+            fillers=fillers,
         )
         print(
             f"\n{attr}: {len(groups)} groups, floor {choice.floor:.3f}; "
@@ -65,6 +79,37 @@ def main():
                 f"| {r.groups} | {last} | {r.task_accuracy:.4f} | {r.leakage:.4f} "
                 f"| {r.cost:.2f} | {r.closed:.3f} |"
             )
+        if fillers is not None:
+            _print_one_sided(config, attr, choice, fillers, train.swap_group_text)
+
+
+def _print_one_sided(config, attr, choice, fillers, as_text):
+    """The fillers and the one-sided steps read (after ``groups`` whole
+    groups, the word hidden), and what the choice took."""
+    words = as_text(config, {attr: [fillers]})[attr][0] if len(fillers) else []
+    print(f"\nfillers: {' / '.join(words) or 'none (no one-sided step)'}")
+    if not choice.half_reads:
+        return
+    print(
+        "| groups, then | word hidden | task acc | leakage | cost (pts) | gap closed |"
+    )
+    print("|---|---|---|---|---|---|")
+    for h in choice.half_reads:
+        word = as_text(config, {attr: [[h.word]]})[attr][0][0]
+        print(
+            f"| {h.groups} | {word} | {h.task_accuracy:.4f} | {h.leakage:.4f} "
+            f"| {h.cost:.2f} | {h.closed:.3f} |"
+        )
+    taken = choice.one_sided
+    print(
+        f"chosen: {choice.chosen} groups"
+        + (
+            f" and {as_text(config, {attr: [[taken.word]]})[attr][0][0]} one-sided"
+            if taken
+            else ""
+        )
+        + f" ({choice.reason})"
+    )
 
 
 if __name__ == "__main__":

@@ -262,6 +262,13 @@ def _swaps(
                 "with a telling token of another): its swap would change nothing. "
                 "Set swap_weight=0 or raise swap_candidates."
             )
+        if debias.swap_one_sided and not debias.swap_target > 0.0:
+            raise ValueError(
+                "config.method.swap_one_sided=True adds a one-sided step to the "
+                "choice of swap groups, which swap_target > 0 makes; with "
+                "swap_target=0 every group is swapped: set swap_target (0.75 in "
+                "the swap recipe) or swap_one_sided=False."
+            )
         if debias.swap_target > 0.0:
             if "dev" not in dataset.splits:
                 raise ValueError(
@@ -285,6 +292,8 @@ def _swaps(
             if ranked is not None:
                 ranked[attr] = [np.asarray(g, np.int64) for g in groups]
             groups = groups[: choice.chosen]
+            if choice.one_sided is not None:  # swap_one_sided
+                groups = [*groups, choice.one_sided.group]
         logging.info("swap groups for %s: %s", attr, [g.tolist() for g in groups])
         groups_of[attr] = [np.asarray(g, np.int64) for g in groups]
         tables[attr] = objectives.swap_table(groups_of[attr], table.shape[0])
@@ -402,8 +411,20 @@ def _read_groups(dataset, attr, groups, attr_classes, fields, every=False):
     from moddiffy_jax.methods import swap_budget
 
     order = _swap_order(fields)
+    train = data_lib.original_train(dataset).splits["train"]
+    fillers = None
+    if getattr(fields, "swap_one_sided", False) and not every:
+        from moddiffy_jax.methods import one_sided
+
+        fillers = one_sided.filler_tokens(
+            train,
+            attr,
+            np.concatenate([np.asarray(g).reshape(-1) for g in groups]),
+            int(np.asarray(train.input_ids).max()) + 1,
+        )
+        logging.info("one-sided fillers for %s: %s", attr, fillers.tolist())
     return swap_budget.choose_groups(
-        data_lib.original_train(dataset).splits["train"],
+        train,
         dataset.splits["dev"],
         attr,
         groups,
@@ -413,6 +434,7 @@ def _read_groups(dataset, attr, groups, attr_classes, fields, every=False):
         max_drop=fields.swap_max_drop,
         counts=(0, len(groups)) if every else None,
         efficient=order == "efficiency" and not every,
+        fillers=fillers,
     )
 
 
@@ -461,7 +483,7 @@ def resolve_objective(
             if found is not None:
                 found[attr] = (groups, choice)
             read, budget = (
-                choice.reads[choice.chosen],
+                choice.final(),
                 f" within {choice.max_drop:g} points",
             )
         reads[attr] = {"groups": read.groups, "of": len(groups)}

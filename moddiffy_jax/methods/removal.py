@@ -167,6 +167,7 @@ class DebiasSettings:
     swap_target: float = 0.0
     swap_max_drop: float = 2.5
     swap_order: str = "rank"  # or "efficiency" (swap_budget.efficient_order)
+    swap_one_sided: bool = False  # methods/one_sided.py (with swap_target > 0)
     # True: the swap distance leaves out the directions that move the task
     # head's decision (objectives/counterfactual.swap_invariance_loss).
     swap_keep_task: bool = False
@@ -740,6 +741,7 @@ def settings_from_config(
         "swap_keep_task",
         "swap_keep_pivotal",
         "swap_compose",
+        "swap_one_sided",
     ):
         if not isinstance(fields[name], bool):
             raise ValueError(

@@ -197,6 +197,13 @@ def config_fields() -> ml_collections.ConfigDict:
     # Measured on held-out samples ("Stop 49"): cheaper reads, no cheaper
     # trained diffs; "rank".
     f.swap_order = "rank"
+    # True (with swap_target > 0): besides whole counterpart groups, the
+    # choice may take one word of the next group swapped with the
+    # attribute's filler tokens (found on the training split: the tokens
+    # standing where no marker is), a step between two whole numbers of
+    # groups (methods/one_sided.py; swap_budget.choose_groups). Data with
+    # no fillers gets no such step.
+    f.swap_one_sided = False
     # > 0 (with swap_target > 0): at this share of the run's steps, read each
     # attribute's trained diff on the dev split (task accuracy; a fresh
     # linear probe fit on the first swap_reread_train training rows), scale
@@ -311,6 +318,7 @@ LATER_FIELDS = (
     ("swap_target", 0.0),
     ("swap_max_drop", 2.5),
     ("swap_order", "rank"),
+    ("swap_one_sided", False),
     ("swap_keep_task", False),
     ("swap_keep_pivotal", False),
     ("swap_distill", 0.0),

@@ -65,11 +65,19 @@ class GroupChoice:
     # The groups' order the prefixes follow, as indices into the ranked
     # groups (empty: the rank order; :func:`efficient_order`).
     order: tuple[int, ...] = ()
+    # With fillers (config.method.swap_one_sided): the one-sided steps read
+    # and the one chosen after the ``chosen`` groups, if any
+    # (methods/one_sided.py).
+    half_reads: tuple[Any, ...] = ()
+    one_sided: Any = None
 
     def to_json(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["reads"] = [dataclasses.asdict(r) for r in self.reads]
-        return out
+        return dataclasses.asdict(self)
+
+    def final(self) -> Any:
+        """The read of what is swapped: the chosen groups and the
+        one-sided step, if any."""
+        return self.one_sided or self.reads[self.chosen]
 
 
 def bag_of_tokens(
@@ -302,9 +310,13 @@ def choose_groups(
     ``kw``); ``efficient=True`` in ``kw``: also reads
     :func:`efficient_order`'s order and takes its choice where it is better
     (reaches the target at less cost, or closes more within the budget;
-    the choice's ``order`` then names it and its reads are that order's)."""
+    the choice's ``order`` then names it and its reads are that order's).
+    ``fillers`` (token ids) in ``kw``: also reads the one-sided steps on
+    either side of the choice (methods/one_sided.py) and takes one where
+    the rule prefers it (the choice's ``one_sided``)."""
     target, max_drop = kw.pop("target"), kw.pop("max_drop")
     efficient = kw.pop("efficient", False)
+    fillers = kw.pop("fillers", None)
     reads, floor = read_prefixes(train, dev, attribute, groups, **kw)
     chosen, reason = choose_count(reads, target, max_drop)
     order = ()
@@ -316,6 +328,25 @@ def choose_groups(
         count, why = choose_count(greedy, target, max_drop)
         if _better(greedy[count], why, reads[chosen], reason):
             reads, chosen, reason, order = greedy, count, why, greedy_order
+    halves, half = (), None
+    if fillers is not None and len(fillers) and kw.pop("counts", None) is None:
+        from moddiffy_jax.methods import one_sided
+
+        ordered = [groups[i] for i in order] if order else list(groups)
+        read, floor = reader(train, dev, attribute, **kw)
+        base = (0, *read([]))
+
+        def scaled(merged):
+            return _scaled([base, (len(merged), *read(merged))], floor)[-1]
+
+        halves = tuple(
+            one_sided.half_reads(
+                scaled, ordered, fillers, (chosen - 1, chosen), max_drop
+            )
+        )
+        chosen, half, reason = one_sided.choose(
+            reads, halves, chosen, reason, target, max_drop
+        )
     return GroupChoice(
         attribute=attribute,
         chosen=chosen,
@@ -325,6 +356,8 @@ def choose_groups(
         reads=tuple(reads),
         reason=reason,
         order=tuple(int(i) for i in order),
+        half_reads=halves,
+        one_sided=half,
     )
 
 

@@ -95,6 +95,12 @@ def check_config(method_cfg) -> None:
             "(what the re-read decides: the swap groups, which attributes "
             "keep the core's decision, or each attribute's swap weight)."
         )
+    if mode == "groups" and at > 0.0 and method_cfg.get("swap_one_sided", False):
+        raise ValueError(
+            "config.method.swap_reread_at > 0 chooses whole swap groups again "
+            "mid-run and would drop the one-sided step swap_one_sided=True "
+            "chose: set swap_one_sided=False, or swap_reread_at=0."
+        )
     if mode in _SWITCHES and at == 0.0:
         raise ValueError(
             f"config.method.swap_reread_mode={mode!r} switches attributes at "
