@@ -29,7 +29,8 @@ def rows(run: Path) -> list[dict]:
     core = comp["core"]
     out = []
     for attr, choice in sorted(reads.items()):
-        read = choice["reads"][choice["chosen"]]
+        # The one-sided step where the choice took one (swap_one_sided).
+        read = choice.get("one_sided") or choice["reads"][choice["chosen"]]
         diff = comp.get(f"core+{attr}")
         if diff is None:
             continue
@@ -43,7 +44,8 @@ def rows(run: Path) -> list[dict]:
             {
                 "run": str(run),
                 "attribute": attr,
-                "groups": f"{choice['chosen']} of {len(choice['reads']) - 1}",
+                "groups": f"{choice['chosen']} of {len(choice['reads']) - 1}"
+                + (" + 1 one-sided" if choice.get("one_sided") else ""),
                 "read_closed": read["closed"],
                 "read_cost": read["cost"],
                 "closed": closed,

@@ -14,18 +14,18 @@ from moddiffy_jax.methods import one_sided, swap_budget
 from tests.helpers import tiny
 
 
-def _slotted(n, seed):
-    """One attribute slot an example: 80% a marker of its class (3 or 4
-    for class 0, 5 or 6 for class 1), else a filler (7 twice as often as
-    8). Task words 1 / 2 (75% right), the attribute equal to the label 85%
-    of the time. Token 9 is in half the examples whatever they hold; 10
-    stands where no marker is, in class-1 examples only; 11 stands there in
-    three examples."""
+def _slotted(n, seed, rates=(0.8, 0.8)):
+    """One attribute slot an example: a marker of its class (3 or 4 for
+    class 0, 5 or 6 for class 1; in ``rates`` of each class's examples),
+    else a filler (7 twice as often as 8). Task words 1 / 2 (75% right),
+    the attribute equal to the label 85% of the time. Token 9 is in half
+    the examples whatever they hold; 10 stands where no marker is, in
+    class-1 examples only; 11 stands there in three examples."""
     rng = np.random.default_rng(seed)
     task = rng.integers(0, 2, n)
     attr = np.where(rng.random(n) < 0.85, task, 1 - task)
     word = np.where(rng.random(n) < 0.75, task, 1 - task) + 1
-    marked = rng.random(n) < 0.8
+    marked = rng.random(n) < np.asarray(rates)[attr]
     slot = np.where(marked, 3 + 2 * attr + rng.integers(0, 2, n), 0)
     filler = np.where(rng.random(n) < 2 / 3, 7, 8)
     slot = np.where(marked, slot, filler)
@@ -48,9 +48,18 @@ def test_fillers_stand_where_no_marker_is_and_tell_nothing():
     # 9 is beside the markers, 10 tells the class, 11 is too rare; the
     # task words are beside the markers too. Most frequent first.
     np.testing.assert_array_equal(fillers, [7, 8])
-    # A marker is never a filler, and no markers means no fillers.
-    assert 3 not in one_sided.filler_tokens(split, "a", [4, 5, 6], 16)
+    # Another attribute's markers are not taken; no markers, no fillers.
+    np.testing.assert_array_equal(
+        one_sided.filler_tokens(split, "a", [3, 4, 5, 6], 16, exclude=[7]), [8]
+    )
     assert one_sided.filler_tokens(split, "a", [], 16).size == 0
+    # Where one class holds its markers less often, the examples with no
+    # marker lean to it, and so do the fillers: they tell what a marker's
+    # absence tells, and are found.
+    uneven = _slotted(3000, 0, rates=(0.9, 0.4))
+    np.testing.assert_array_equal(
+        one_sided.filler_tokens(uneven, "a", [3, 4, 5, 6], 16), [7, 8]
+    )
 
 
 def _read(table):
@@ -68,16 +77,19 @@ def test_the_half_step_takes_the_better_word_of_the_next_group():
     groups = [[3, 5], [4, 6]]
     read = _read(
         {
-            ((3, 7, 8),): (0.2, 0.1),
+            ((3, 7, 8),): (0.05, 0.1),
             ((5, 7, 8),): (0.1, 0.3),  # closes more: taken
             ((3, 5), (4, 7, 8)): (3.0, 0.9),  # over budget: not taken
             ((3, 5), (6, 7, 8)): (1.0, 0.6),
         }
     )
-    halves = one_sided.half_reads(read, groups, [7, 8], (-1, 0, 1, 2), max_drop=2.0)
+    halves = one_sided.half_reads(read, groups, [7, 8], (-1, 0, 1, 2), 0.9, 2.0)
     assert [(h.groups, h.word) for h in halves] == [(0, 5), (1, 6)]
     np.testing.assert_array_equal(halves[1].group, [6, 7, 8])
-    assert one_sided.half_reads(read, groups, [], (0,), 2.0) == []
+    assert one_sided.half_reads(read, groups, [], (0,), 0.9, 2.0) == []
+    # Where both words reach the target, the cheaper one.
+    (cheap,) = one_sided.half_reads(read, groups, [7, 8], (0,), 0.05, 2.0)
+    assert cheap.word == 3
 
 
 @pytest.mark.parametrize(
@@ -134,6 +146,18 @@ def test_the_choice_reads_the_one_sided_steps_beside_the_whole_groups():
     assert aimed.chosen == 1 and aimed.one_sided == half and aimed.final() == half
     assert aimed.reason == "target (one-sided)"
     assert json.loads(json.dumps(aimed.to_json()))["one_sided"]["word"] == half.word
+    with pytest.raises(ValueError, match="give one or the other"):
+        swap_budget.choose_groups(
+            train_split,
+            dev,
+            "a",
+            groups,
+            target=0.5,
+            max_drop=2.0,
+            fillers=fillers,
+            counts=(0, 2),
+            **kw,
+        )
 
 
 def test_a_run_swaps_the_chosen_one_sided_group_and_records_its_reads():
@@ -177,3 +201,13 @@ def test_a_one_sided_step_without_a_choice_to_keep_it_is_refused(overrides, matc
     )
     with pytest.raises(ValueError, match=match):
         train.build_context(config)
+
+
+def test_the_report_line_names_a_one_sided_step():
+    from moddiffy_jax.eval.report import objective_line
+
+    read = {"groups": 2, "of": 5, "closed": 0.6, "cost": 1.5}
+    choice = {"objective": "swap", "reason": "r", "reads": {"age": read}}
+    assert "age: 2 of 5 groups close 0.60" in objective_line(choice)
+    choice["reads"]["age"] = {**read, "one_sided": 3394}
+    assert "2 of 5 groups and one word one-sided close 0.60" in objective_line(choice)

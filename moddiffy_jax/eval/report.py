@@ -46,8 +46,9 @@ def _bias_splits(results: Mapping[str, Any]) -> list[str]:
 def objective_line(choice: Mapping[str, Any]) -> str:
     """What ``objective=auto`` chose, with each attribute's swap read."""
     reads = "; ".join(
-        f"{a}: {r['groups']} of {r['of']} groups close {r['closed']:.2f} of the "
-        f"gap at {r['cost']:.1f} pts"
+        f"{a}: {r['groups']} of {r['of']} groups"
+        + (" and one word one-sided" if "one_sided" in r else "")
+        + f" close {r['closed']:.2f} of the gap at {r['cost']:.1f} pts"
         for a, r in choice.get("reads", {}).items()
     )
     return f"objective auto -> {choice['objective']}: {choice['reason']}" + (

@@ -57,17 +57,24 @@ MAX_FILLERS = 8
 
 
 def filler_tokens(
-    split: Any, attribute: str, markers: Sequence[int], vocab: int
+    split: Any,
+    attribute: str,
+    markers: Sequence[int],
+    vocab: int,
+    exclude: Sequence[int] = (),
 ) -> np.ndarray:
     """The attribute's filler tokens on ``split``, most frequent first.
 
     ``markers``: the attribute's marker tokens (its counterpart groups'
-    tokens). A filler is in at least :data:`MIN_SHARE` (and
-    :data:`MIN_COUNT`) of the examples, is not a marker, appears with a
-    marker in at most :data:`MAX_OVERLAP` times the split's marker rate of
-    its examples, and its examples' attribute classes pass a chi-square
-    test against the split's shares (p >= :data:`MIN_P`). At most
-    :data:`MAX_FILLERS`; empty where none qualifies."""
+    tokens); ``exclude``: tokens never to take (another attribute's
+    markers, which a filler swap would hide from that attribute's diff's
+    view). A filler is in at least :data:`MIN_SHARE` (and
+    :data:`MIN_COUNT`) of the examples, appears with a marker in at most
+    :data:`MAX_OVERLAP` times the split's marker rate of its examples (so
+    never is one), and its examples' attribute classes pass a chi-square
+    test against those of the examples with no marker (p >=
+    :data:`MIN_P`): a filler tells what a marker's absence tells, no more.
+    At most :data:`MAX_FILLERS`; empty where none qualifies."""
     from moddiffy_jax.methods.word_rows import _present
 
     attr = np.asarray(split.attrs[attribute], np.int64)
@@ -81,9 +88,11 @@ def filler_tokens(
     rate = marked.mean()
     count = np.bincount(tokens, minlength=vocab)
     with_marker = np.bincount(tokens[marked[rows]], minlength=vocab)
-    share = np.bincount(attr, minlength=n_classes) / n
-    ok = (count >= max(MIN_COUNT, MIN_SHARE * n)) & ~np.isin(np.arange(vocab), markers)
+    unmarked = np.bincount(attr[~marked], minlength=n_classes)
+    share = unmarked / max(int(unmarked.sum()), 1)
+    ok = count >= max(MIN_COUNT, MIN_SHARE * n)
     ok &= with_marker <= MAX_OVERLAP * rate * count
+    ok &= ~np.isin(np.arange(vocab), np.asarray(exclude, np.int64))
     out = []
     for t in np.flatnonzero(ok):
         observed = np.bincount(attr[rows[tokens == t]], minlength=n_classes)
@@ -122,12 +131,14 @@ def half_reads(
     groups: Sequence[Sequence[int]],
     fillers: Sequence[int],
     at: Sequence[int],
+    target: float,
     max_drop: float,
 ) -> list[HalfRead]:
     """For each ``k`` in ``at`` (``k < len(groups)``): the first ``k`` groups
     and one word of group ``k`` hidden with ``fillers``, whichever of the
-    group's words reads better (within ``max_drop`` before over it, then
-    the more of the gap closed, then the cheaper). ``read(merged)`` is a
+    group's words reads better (within ``max_drop`` before over it; then
+    one that closes ``target`` of the gap, the cheaper of two that do;
+    else the more of the gap closed). ``read(merged)`` is a
     scaled read (a :class:`~moddiffy_jax.methods.swap_budget.PrefixRead`,
     or anything with ``task_accuracy``, ``leakage``, ``cost`` and
     ``closed``)."""
@@ -148,7 +159,13 @@ def half_reads(
                 cost=r.cost,
                 closed=r.closed,
             )
-            key = (half.cost <= max_drop, half.closed, -half.cost)
+            reaches = half.closed >= target
+            key = (
+                half.cost <= max_drop,
+                reaches,
+                -half.cost if reaches else half.closed,
+                half.closed,
+            )
             if best is None or key > best[0]:
                 best = (key, half)
         out.append(best[1])

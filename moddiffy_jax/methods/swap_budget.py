@@ -317,6 +317,11 @@ def choose_groups(
     target, max_drop = kw.pop("target"), kw.pop("max_drop")
     efficient = kw.pop("efficient", False)
     fillers = kw.pop("fillers", None)
+    if fillers is not None and kw.get("counts") is not None:
+        raise ValueError(
+            "fillers (one-sided steps) are read beside a choice of groups; "
+            "counts reads only some prefixes and makes none: give one or the other."
+        )
     reads, floor = read_prefixes(train, dev, attribute, groups, **kw)
     chosen, reason = choose_count(reads, target, max_drop)
     order = ()
@@ -329,7 +334,8 @@ def choose_groups(
         if _better(greedy[count], why, reads[chosen], reason):
             reads, chosen, reason, order = greedy, count, why, greedy_order
     halves, half = (), None
-    if fillers is not None and len(fillers) and kw.pop("counts", None) is None:
+    if fillers is not None and len(fillers):
+        kw.pop("counts", None)
         from moddiffy_jax.methods import one_sided
 
         ordered = [groups[i] for i in order] if order else list(groups)
@@ -341,7 +347,7 @@ def choose_groups(
 
         halves = tuple(
             one_sided.half_reads(
-                scaled, ordered, fillers, (chosen - 1, chosen), max_drop
+                scaled, ordered, fillers, (chosen - 1, chosen), target, max_drop
             )
         )
         chosen, half, reason = one_sided.choose(
