@@ -202,10 +202,10 @@ def config_fields() -> ml_collections.ConfigDict:
     # attribute's filler tokens (found on the training split: the tokens
     # standing where no marker is), a step between two whole numbers of
     # groups (methods/one_sided.py; swap_budget.choose_groups). Data with
-    # no fillers gets no such step. Measured at swap_max_drop 2.25 on four
-    # main-job draws (docs/efficacy.md, "Stop 74"): gender cheaper, age at
-    # its bar and under it in core + both, 7 of 12 rows against the
-    # default's 10: off by default.
+    # no fillers gets no such step. Measured at swap_max_drop 2.25 on six
+    # main-job draws (docs/efficacy.md, "Stop 74"): age at its bar and
+    # under it in core + both, 9 of 18 rows against the default's 15: off
+    # by default.
     f.swap_one_sided = False
     # > 0 (with swap_target > 0): at this share of the run's steps, read each
     # attribute's trained diff on the dev split (task accuracy; a fresh
