@@ -23,14 +23,12 @@ points as two pairs.
 :func:`filler_tokens` finds the fillers on the training split, with no
 list of words: tokens that appear almost only in examples that hold none
 of the attribute's marker tokens (the groups' tokens), often enough to
-matter, not telling another attribute, and whose examples' attribute
-classes do not differ from those of the examples with no marker (a
-chi-square test); :func:`attribute_fillers` applies it to a run's data.
-Data where an attribute's words have no such stand-ins (a dialect spread
-over many words, say) get no fillers and so no one-sided step.
-:func:`half_reads` reads the one-sided steps beside a choice of whole
-groups (methods/swap_budget.py) and :func:`choose` takes one where the
-same rule prefers it.
+matter, and whose examples' attribute classes do not differ from the
+split's (a chi-square test). Data where an attribute's words have no such
+stand-ins (a dialect spread over many words, say) get no fillers and so
+no one-sided step. :func:`half_reads` reads the one-sided steps beside a
+choice of whole groups (methods/swap_budget.py) and :func:`choose` takes
+one where the same rule prefers it.
 """
 
 from __future__ import annotations
@@ -50,8 +48,8 @@ MIN_COUNT = 10
 #: share of the split's own marker rate (a token independent of the
 #: markers has 1).
 MAX_OVERLAP = 0.1
-#: A filler's examples' attribute classes against those of the examples
-#: with no marker: the chi-square test's p-value must be at least this.
+#: A filler's examples' attribute classes against the split's: the
+#: chi-square test's p-value must be at least this.
 MIN_P = 0.05
 #: At most this many fillers (the most frequent) share the hidden word's
 #: cycle.
@@ -107,33 +105,6 @@ def filler_tokens(
             out.append(int(t))
     out.sort(key=lambda t: (-count[t], t))
     return np.asarray(out[:MAX_FILLERS], np.int64)
-
-
-def attribute_fillers(
-    split: Any,
-    attribute: str,
-    groups: Sequence[Sequence[int]],
-    attributes: Sequence[str],
-    candidates: int,
-    share: float,
-) -> np.ndarray:
-    """:func:`filler_tokens` of ``attribute`` on ``split``, its groups'
-    tokens the markers, every other attribute's telling tokens
-    (word_rows.attribute_tokens, ``candidates`` and ``share`` as the swap
-    groups') excluded."""
-    from moddiffy_jax.methods import word_rows
-
-    vocab = int(np.asarray(split.input_ids).max()) + 1
-    others = word_rows.attribute_tokens(
-        split, [a for a in attributes if a != attribute], candidates, share, vocab
-    )
-    return filler_tokens(
-        split,
-        attribute,
-        np.concatenate([np.zeros(0, np.int64), *(np.ravel(g) for g in groups)]),
-        vocab,
-        exclude=np.concatenate([np.zeros(0, np.int64), *others.values()]),
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,13 +186,17 @@ def choose(
     steps in order, ``k`` groups before ``k`` and a half before ``k + 1``:
     the fewest steps that close ``target`` within ``max_drop``, else the
     furthest within it. Returns ``(groups, half or None, reason)``."""
-    from moddiffy_jax.methods.swap_budget import pick_step
-
     steps = [(r.groups, 0, r) for r in reads[1:]]
     steps += [(h.groups, 1, h) for h in halves]
     steps.sort(key=lambda s: (s[0], s[1]))
-    at, why = pick_step([s[2] for s in steps], target, max_drop)
-    if at is None:
+    within = [s for s in steps if s[2].cost <= max_drop]
+    reached = [s for s in within if s[2].closed >= target]
+    if reached:
+        pick, why = reached[0], "target"
+    elif within:
+        pick, why = within[-1], "budget"
+    else:
         return chosen, None, reason
-    groups, half, read = steps[at]
-    return (groups, read, why + " (one-sided)") if half else (groups, None, why)
+    if not pick[1]:
+        return pick[0], None, why
+    return pick[0], pick[2], why + " (one-sided)"

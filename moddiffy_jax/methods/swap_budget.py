@@ -292,22 +292,13 @@ def choose_count(
     """The fewest groups (at least one) closing ``target`` of the gap within
     ``max_drop`` points; else the most within ``max_drop``; the first group
     alone when even it costs more. Returns the count and why."""
-    at, why = pick_step(reads[1:], target, max_drop)
-    return (1, why) if at is None else (reads[1:][at].groups, why)
-
-
-def pick_step(steps: Sequence[Any], target: float, max_drop: float):
-    """The rule every swap choice applies to its steps in order (reads
-    with ``cost`` and ``closed``): the index of the first that closes
-    ``target`` within ``max_drop`` ("target"), else of the last within
-    ``max_drop`` ("budget"), else ``None`` ("over budget")."""
-    within = [i for i, r in enumerate(steps) if r.cost <= max_drop]
-    reached = [i for i in within if steps[i].closed >= target]
+    within = [r for r in reads[1:] if r.cost <= max_drop]
+    reached = [r for r in within if r.closed >= target]
     if reached:
-        return reached[0], "target"
+        return reached[0].groups, "target"
     if within:
-        return within[-1], "budget"
-    return None, "over budget"
+        return within[-1].groups, "budget"
+    return 1, "over budget"
 
 
 def choose_groups(
