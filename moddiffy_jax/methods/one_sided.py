@@ -23,12 +23,13 @@ points as two pairs.
 :func:`filler_tokens` finds the fillers on the training split, with no
 list of words: tokens that appear almost only in examples that hold none
 of the attribute's marker tokens (the groups' tokens), often enough to
-matter, and whose examples' attribute classes do not differ from the
-split's (a chi-square test). Data where an attribute's words have no such
-stand-ins (a dialect spread over many words, say) get no fillers and so
-no one-sided step. :func:`half_reads` reads the one-sided steps beside a
-choice of whole groups (methods/swap_budget.py) and :func:`choose` takes
-one where the same rule prefers it.
+matter, and whose examples' attribute classes do not differ from those
+of the examples with no marker (a chi-square test). Data where an
+attribute's words have no such stand-ins (a dialect spread over many
+words, say) get no fillers and so no one-sided step. :func:`half_reads`
+reads the one-sided steps beside a choice of whole groups
+(methods/swap_budget.py) and :func:`choose` takes one where the same
+rule prefers it.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ MIN_COUNT = 10
 #: share of the split's own marker rate (a token independent of the
 #: markers has 1).
 MAX_OVERLAP = 0.1
-#: A filler's examples' attribute classes against the split's: the
-#: chi-square test's p-value must be at least this.
+#: A filler's examples' attribute classes against those of the examples
+#: with no marker: the chi-square test's p-value must be at least this.
 MIN_P = 0.05
 #: At most this many fillers (the most frequent) share the hidden word's
 #: cycle.
