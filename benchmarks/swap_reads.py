@@ -49,11 +49,13 @@ def main():
     for attr, groups in ctx.swap_groups.items():
         fillers = None
         if args.one_sided:
-            fillers = one_sided.filler_tokens(
+            fillers = one_sided.attribute_fillers(
                 splits["train"],
                 attr,
-                [int(t) for g in groups for t in g],
-                int(splits["train"].input_ids.max()) + 1,
+                groups,
+                list(ctx.data.attr_classes),
+                args.candidates,
+                args.share,
             )
         choice = swap_budget.choose_groups(
             splits["train"],

@@ -414,23 +414,15 @@ def _read_groups(dataset, attr, groups, attr_classes, fields, every=False):
     train = data_lib.original_train(dataset).splits["train"]
     fillers = None
     if getattr(fields, "swap_one_sided", False) and not every:
-        from moddiffy_jax.methods import one_sided, word_rows
+        from moddiffy_jax.methods import one_sided
 
-        vocab = int(np.asarray(train.input_ids).max()) + 1
-        # Another attribute's telling tokens are never this one's fillers.
-        others = word_rows.attribute_tokens(
-            train,
-            [a for a in dataset.attr_classes if a != attr],
-            fields.swap_candidates,
-            fields.swap_share,
-            vocab,
-        )
-        fillers = one_sided.filler_tokens(
+        fillers = one_sided.attribute_fillers(
             train,
             attr,
-            np.concatenate([np.asarray(g).reshape(-1) for g in groups]),
-            vocab,
-            exclude=np.concatenate([np.zeros(0, np.int64), *others.values()]),
+            groups,
+            list(dataset.attr_classes),
+            fields.swap_candidates,
+            fields.swap_share,
         )
         logging.info("one-sided fillers for %s: %s", attr, fillers.tolist())
     return swap_budget.choose_groups(

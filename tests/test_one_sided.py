@@ -62,6 +62,20 @@ def test_fillers_stand_where_no_marker_is_and_tell_nothing():
     )
 
 
+def test_a_run_s_fillers_leave_out_another_attribute_s_telling_tokens():
+    split = _slotted(3000, 0)
+    groups = [[3, 5], [4, 6]]
+    np.testing.assert_array_equal(
+        one_sided.attribute_fillers(split, "a", groups, ["a"], 1, 0.5), [7, 8]
+    )
+    # A second attribute that filler 7 tells: 7 is that attribute's word,
+    # and hiding it among a's fillers would hide it from b's diff too.
+    split.attrs["b"] = (split.input_ids[:, 1] == 7).astype(np.int64)
+    np.testing.assert_array_equal(
+        one_sided.attribute_fillers(split, "a", groups, ["a", "b"], 1, 0.5), [8]
+    )
+
+
 def _read(table):
     """A read of merged groups from a table keyed by the merged groups."""
 
@@ -111,7 +125,7 @@ def test_the_one_sided_step_is_chosen_by_the_whole_groups_rule(
     ]
     halves = [one_sided.HalfRead(1, 6, (7, 8), 0.9, 0.9, 1.5, 0.55)]
     whole, why = swap_budget.choose_count(reads, target, max_drop)
-    got = one_sided.choose(reads, halves, whole, why, target, max_drop)
+    got = swap_budget.choose_steps(reads, halves, whole, why, target, max_drop)
     assert (got[0], got[1] is not None, got[2]) == (groups, half, reason)
 
 

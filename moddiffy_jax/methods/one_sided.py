@@ -26,10 +26,11 @@ of the attribute's marker tokens (the groups' tokens), often enough to
 matter, and whose examples' attribute classes do not differ from those
 of the examples with no marker (a chi-square test). Data where an
 attribute's words have no such stand-ins (a dialect spread over many
-words, say) get no fillers and so no one-sided step. :func:`half_reads`
-reads the one-sided steps beside a choice of whole groups
-(methods/swap_budget.py) and :func:`choose` takes one where the same
-rule prefers it.
+words, say) get no fillers and so no one-sided step.
+:func:`attribute_fillers` applies it to a run's data, leaving out every
+other attribute's telling tokens. :func:`half_reads` reads the one-sided
+steps beside a choice of whole groups; methods/swap_budget.py
+(``choose_steps``) takes one where its rule for whole groups prefers it.
 """
 
 from __future__ import annotations
@@ -108,6 +109,34 @@ def filler_tokens(
     return np.asarray(out[:MAX_FILLERS], np.int64)
 
 
+def attribute_fillers(
+    split: Any,
+    attribute: str,
+    groups: Sequence[Sequence[int]],
+    attributes: Sequence[str],
+    candidates: int,
+    share: float,
+) -> np.ndarray:
+    """:func:`filler_tokens` of ``attribute`` on ``split``: its groups'
+    tokens are the markers, and every other attribute's telling tokens
+    (word_rows.attribute_tokens, with the swap groups' ``candidates`` and
+    ``share``) are excluded, so a filler swap never hides another
+    attribute's word from that attribute's diff."""
+    from moddiffy_jax.methods import word_rows
+
+    vocab = int(np.asarray(split.input_ids).max()) + 1
+    others = word_rows.attribute_tokens(
+        split, [a for a in attributes if a != attribute], candidates, share, vocab
+    )
+    return filler_tokens(
+        split,
+        attribute,
+        np.concatenate([np.zeros(0, np.int64), *(np.ravel(g) for g in groups)]),
+        vocab,
+        exclude=np.concatenate([np.zeros(0, np.int64), *others.values()]),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class HalfRead:
     """The read of the first ``groups`` groups and one word of the next
@@ -171,33 +200,3 @@ def half_reads(
                 best = (key, half)
         out.append(best[1])
     return out
-
-
-def choose(
-    reads: Sequence[Any],
-    halves: Sequence[HalfRead],
-    chosen: int,
-    reason: str,
-    target: float,
-    max_drop: float,
-) -> tuple[int, HalfRead | None, str]:
-    """The whole-group choice ``(chosen, reason)`` over ``reads`` (indexed
-    by group count) revisited with the one-sided steps ``halves`` between
-    the whole counts: the same rule (swap_budget.choose_count) over the
-    steps in order, ``k`` groups before ``k`` and a half before ``k + 1``:
-    the fewest steps that close ``target`` within ``max_drop``, else the
-    furthest within it. Returns ``(groups, half or None, reason)``."""
-    steps = [(r.groups, 0, r) for r in reads[1:]]
-    steps += [(h.groups, 1, h) for h in halves]
-    steps.sort(key=lambda s: (s[0], s[1]))
-    within = [s for s in steps if s[2].cost <= max_drop]
-    reached = [s for s in within if s[2].closed >= target]
-    if reached:
-        pick, why = reached[0], "target"
-    elif within:
-        pick, why = within[-1], "budget"
-    else:
-        return chosen, None, reason
-    if not pick[1]:
-        return pick[0], None, why
-    return pick[0], pick[2], why + " (one-sided)"

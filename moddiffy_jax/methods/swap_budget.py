@@ -292,13 +292,49 @@ def choose_count(
     """The fewest groups (at least one) closing ``target`` of the gap within
     ``max_drop`` points; else the most within ``max_drop``; the first group
     alone when even it costs more. Returns the count and why."""
-    within = [r for r in reads[1:] if r.cost <= max_drop]
-    reached = [r for r in within if r.closed >= target]
+    at, why = pick_step(reads[1:], target, max_drop)
+    return (1, why) if at is None else (reads[1:][at].groups, why)
+
+
+def pick_step(
+    steps: Sequence[Any], target: float, max_drop: float
+) -> tuple[int | None, str]:
+    """The rule every swap choice applies to its steps, in order (reads
+    with ``cost`` and ``closed``): the index of the first that closes
+    ``target`` of the gap within ``max_drop`` points ("target"), else of
+    the last within ``max_drop`` ("budget"), else ``None`` ("over
+    budget")."""
+    within = [i for i, r in enumerate(steps) if r.cost <= max_drop]
+    reached = [i for i in within if steps[i].closed >= target]
     if reached:
-        return reached[0].groups, "target"
+        return reached[0], "target"
     if within:
-        return within[-1].groups, "budget"
-    return 1, "over budget"
+        return within[-1], "budget"
+    return None, "over budget"
+
+
+def choose_steps(
+    reads: Sequence[PrefixRead],
+    halves: Sequence[Any],
+    chosen: int,
+    reason: str,
+    target: float,
+    max_drop: float,
+) -> tuple[int, Any, str]:
+    """The whole-group choice ``(chosen, reason)`` over ``reads`` (indexed
+    by group count) revisited with the one-sided steps ``halves``
+    (one_sided.HalfRead) between the whole counts: :func:`pick_step` over
+    the steps in order, ``k`` groups before ``k`` and a half before
+    ``k + 1``. Returns ``(groups, half or None, reason)``; the whole
+    choice as it was where no step is within ``max_drop``."""
+    steps = [(r.groups, 0, r) for r in reads[1:]]
+    steps += [(h.groups, 1, h) for h in halves]
+    steps.sort(key=lambda s: (s[0], s[1]))
+    at, why = pick_step([s[2] for s in steps], target, max_drop)
+    if at is None:
+        return chosen, None, reason
+    groups, half, read = steps[at]
+    return (groups, read, why + " (one-sided)") if half else (groups, None, why)
 
 
 def choose_groups(
@@ -350,7 +386,7 @@ def choose_groups(
                 scaled, ordered, fillers, (chosen - 1, chosen), target, max_drop
             )
         )
-        chosen, half, reason = one_sided.choose(
+        chosen, half, reason = choose_steps(
             reads, halves, chosen, reason, target, max_drop
         )
     return GroupChoice(
