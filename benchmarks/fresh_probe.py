@@ -187,11 +187,16 @@ def probe_dir(directory: Path, seeds: tuple[int, ...], converged: bool = True) -
             lin = probes.linear_probe(
                 *args, num_classes=n, tol=1e-4, class_weighted=True
             )
-            mlp = probes.train_probe_ensemble(*args, num_classes=n, config=config)
-            summary = mlp.summary()
             row[f"{a}/lin"] = float(lin.test_balanced_accuracy)
-            row[f"{a}/mlp"] = float(summary["test_balanced_accuracy/mean"])
-            row[f"{a}/mlp_std"] = float(summary["test_balanced_accuracy/std"])
+            if f.stem == "core decision":
+                # As in the report: on a few logits the early-stopped
+                # attacker is no reader (composition.NO_ATTACKER_NOTE).
+                row[f"{a}/mlp"] = row[f"{a}/mlp_std"] = None
+            else:
+                mlp = probes.train_probe_ensemble(*args, num_classes=n, config=config)
+                summary = mlp.summary()
+                row[f"{a}/mlp"] = float(summary["test_balanced_accuracy/mean"])
+                row[f"{a}/mlp_std"] = float(summary["test_balanced_accuracy/std"])
             if converged:
                 conv = probes.converged_mlp_probe(*args, num_classes=n)
                 row[f"{a}/conv"] = conv["test_balanced_accuracy"]
@@ -202,6 +207,9 @@ def probe_dir(directory: Path, seeds: tuple[int, ...], converged: bool = True) -
             floor = result["floors"][a]["floor"]
             for kind in ("lin", "mlp", "conv"):
                 if f"{a}/{kind}" not in row:
+                    continue
+                if row[f"{a}/{kind}"] is None:
+                    row[f"{a}/{kind}_gap_closed"] = None
                     continue
                 gap = core_row[f"{a}/{kind}"] - floor
                 row[f"{a}/{kind}_gap_closed"] = (
@@ -233,6 +241,9 @@ def markdown(results: dict) -> str:
             cells = [f"{row['test_acc']:.3f}"]
             for a in attrs:
                 for k in kinds:
+                    if row[f"{a}/{k}"] is None:
+                        cells.append("n/a")
+                        continue
                     v = f"{row[f'{a}/{k}']:.3f}"
                     cells.append(
                         f"{v} ± {row[f'{a}/mlp_std']:.3f}" if k == "mlp" else v
