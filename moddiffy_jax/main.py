@@ -8,6 +8,7 @@ last checkpoint in ``--workdir``.
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import sys
@@ -325,6 +326,16 @@ def _load_config_module(spec: str):
         return None
 
 
+# Config maps keyed by attribute names: the command line sets them whole.
+_NAME_MAPS = (
+    "data.attr_classes",
+    "data.attr_label_files",
+    "data.attr_bins",
+    "data.columns.attributes",
+    "data.synthetic.attr_task_correlation",
+)
+
+
 def explain_flag_error(argv: list[str], error: Exception) -> str:
     """A message for a flag or config that failed to parse, naming the fix."""
     specs = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
@@ -344,6 +355,18 @@ def explain_flag_error(argv: list[str], error: Exception) -> str:
             for i, part in enumerate(parts):
                 if not hasattr(node, "keys") or part not in node:
                     where = ".".join(["config", *parts[:i]])
+                    if ".".join(parts[:i]) in _NAME_MAPS:
+                        value = a.split("=", 1)[1] if "=" in a else "..."
+                        try:
+                            ast.literal_eval(value)
+                        except (ValueError, SyntaxError):
+                            value = repr(value)  # a bare word: a string
+                        return (
+                            f"--config.{key}: {where} is keyed by attribute "
+                            "name, and a locked config takes no new key from "
+                            f"the command line; set the whole map: --config."
+                            f"{'.'.join(parts[:i])}=\"{{'{part}': {value}}}\"."
+                        )
                     valid = sorted(node.keys()) if hasattr(node, "keys") else []
                     return (
                         f"--config.{key}: {where} has no field {part!r}. The config "

@@ -274,6 +274,35 @@ CASES = [
         r"d.csv.*not UTF-8.*iconv",
     ),
     Case(
+        "an attribute map's key set on the command line",
+        lambda t, w: [TINY, "--config.data.attr_classes.gender=('f','m')"],
+        r"config.data.attr_classes is keyed by attribute name.*set the whole map: "
+        r"--config.data.attr_classes=\"\{'gender': \('f','m'\)\}\"",
+    ),
+    Case(
+        "numeric attribute read as classes",
+        lambda t, w: _tabular(
+            _csv(t / "d.csv", rows=_rows(lambda i: f"w{i} x", n=24, gender=str))
+        ),
+        r"'gender'.*24 distinct numeric values.*0 to 23.*data.attr_bins",
+    ),
+    Case(
+        "binned attribute with a word in it",
+        lambda t, w: (
+            _tabular(_csv(t / "d.csv", rows=_rows(lambda i: f"w{i} x")))
+            + ["--config.data.attr_bins={'gender': (30,)}"]
+        ),
+        r"Value 'm'.*'gender'.*not a number.*data.attr_bins.gender",
+    ),
+    Case(
+        "a bin with no train example",
+        lambda t, w: (
+            _tabular(_csv(t / "d.csv", rows=_rows(lambda i: f"w{i} x", gender=str)))
+            + ["--config.data.attr_bins={'gender': (3, 100)}"]
+        ),
+        r"bins \['>=100'\] of data.attr_bins.gender hold no train example",
+    ),
+    Case(
         "zero-length texts",
         lambda t, w: _tabular(_csv(t / "d.csv", rows=_rows(lambda i: ""))),
         r"empty text",

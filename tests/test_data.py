@@ -581,3 +581,98 @@ def test_eval_batches_pad_with_zero_weight():
     np.testing.assert_array_equal(seen, np.arange(10))  # in order, each once
     assert sum(float(b["weight"].sum()) for b in batches) == 10
     assert batches[-1]["attention_mask"][-1].any()  # padding is a real row
+
+
+# ---------------------------------------------------------------- numeric bins
+
+
+def test_a_numeric_attribute_is_cut_into_the_bins_given(tmp_path):
+    ages = {"train": [17, 25, 34, 35, 49.5, 50, 64, 65, 80], "dev": [24.9, 66]}
+    ages["test"] = [18, 40]
+    files = {}
+    for s, values in ages.items():
+        rows = [
+            {"sentence": f"{s} {i}", "y": ["pos", "neg"][i % 2], "age": a, "g": "f"}
+            for i, a in enumerate(values)
+        ]
+        rows[0]["g"] = "m"
+        files[s] = _write_jsonl(tmp_path / f"{s}.jsonl", rows)  # ages as numbers
+    c = _tabular_config(split_files=files)
+    c.attributes = ("gender", "age")
+    c.columns.attributes = {"gender": "g"}
+    c.attr_bins = {"age": (25, 35, 50, 65)}  # PAN16's five age groups
+    ds = data.load_text_dataset(c)
+    assert ds.attr_classes["age"] == ("<25", "[25,35)", "[35,50)", "[50,65)", ">=65")
+    assert ds.attr_classes["gender"] == ("f", "m")  # others read as before
+    # An edge value starts its bin; classes in the bins' order, not sorted.
+    np.testing.assert_array_equal(
+        ds.splits["train"].attrs["age"], [0, 1, 1, 2, 2, 3, 3, 4, 4]
+    )
+    np.testing.assert_array_equal(ds.splits["dev"].attrs["age"], [0, 4])
+    np.testing.assert_array_equal(ds.splits["test"].attrs["age"], [0, 2])
+    assert data.bin_labels((0.5,)) == ("<0.5", ">=0.5")
+    # The same column from a CSV (its values read as text) gives the same.
+    rows = [
+        {"sentence": f"{s} {i}", "y": "pos" if i % 2 else "neg", "gen": "f", "age": a}
+        for s, values in ages.items()
+        for i, a in enumerate(values)
+    ]
+    for r in rows[:1] + rows[9:10] + rows[11:12]:
+        r["gen"] = "m"
+    for r, s in zip(rows, ["train"] * 9 + ["dev"] * 2 + ["test"] * 2, strict=True):
+        r["part"] = s
+    c = _tabular_config(path=_write_csv(tmp_path / "d.csv", rows), split_column="part")
+    c.attributes = ("gender", "age")
+    c.attr_bins = {"age": (25, 35, 50, 65)}
+    np.testing.assert_array_equal(
+        data.load_text_dataset(c).splits["train"].attrs["age"],
+        [0, 1, 1, 2, 2, 3, 3, 4, 4],
+    )
+
+
+def test_bins_are_checked_and_raw_numbers_refused(tmp_path):
+    rows = [
+        {
+            "sentence": f"{s} {i}",
+            "y": "pos" if i % 2 else "neg",
+            "gen": str(i),
+            "part": s,
+        }
+        for s in ("train", "dev", "test")
+        for i in range(30)
+    ]
+    path = _write_csv(tmp_path / "d.csv", rows)
+    c = _tabular_config(path=path, split_column="part")
+    with pytest.raises(ValueError, match=r"30 distinct numeric.*\(7, 15, 22\)"):
+        data.load_text_dataset(c)
+    # The suggested cut works; listing the classes keeps them as classes.
+    c.attr_bins = {"gender": (7, 15, 22)}
+    assert data.load_text_dataset(c).attr_classes["gender"][0] == "<7"
+    c = _tabular_config(path=path, split_column="part")
+    c.attr_classes = {"gender": tuple(str(i) for i in range(30))}
+    assert len(data.load_text_dataset(c).attr_classes["gender"]) == 30
+    for bins, message in [
+        ((15, 7), "strictly increasing"),
+        ((7, "x"), "must be numbers"),
+    ]:
+        c = _tabular_config(path=path, split_column="part")
+        c.attr_bins = {"gender": bins}
+        with pytest.raises(ValueError, match=message):
+            data.load_text_dataset(c)
+    c = _tabular_config(path=path, split_column="part")
+    c.attr_bins = {"gender": (7,)}
+    c.attr_classes = {"gender": ("a", "b")}
+    with pytest.raises(ValueError, match="keep one"):
+        data.load_text_dataset(c)
+    c = _tabular_config(path=path, split_column="part")
+    c.attr_bins = {"age": (7,)}
+    with pytest.raises(ValueError, match=r"names \['age'\], which are not in"):
+        data.load_text_dataset(c)
+    c = data.default_data_config()
+    c.attr_bins = {"age": (7,)}
+    with pytest.raises(ValueError, match="synthetic source defines its own classes"):
+        data.load_text_dataset(c)
+    # Twenty numeric classes or fewer are read as classes, as before.
+    few = [dict(r, gen=str(int(r["gen"]) % 20)) for r in rows]
+    c = _tabular_config(path=_write_csv(tmp_path / "e.csv", few), split_column="part")
+    assert len(data.load_text_dataset(c).attr_classes["gender"]) == 20

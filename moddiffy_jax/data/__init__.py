@@ -34,7 +34,7 @@ from moddiffy_jax.data.pipeline import (
 )
 from moddiffy_jax.data.sources import SOURCES, get_source
 from moddiffy_jax.data.synthetic import generate_synthetic
-from moddiffy_jax.data.tabular import load_tabular, read_table
+from moddiffy_jax.data.tabular import bin_labels, load_tabular, read_table
 from moddiffy_jax.data.tokenize import (
     padded_length,
     tokenize_dataset,
@@ -51,6 +51,7 @@ __all__ = [
     "TokenizedSplit",
     "TrainIterator",
     "balance_train_split",
+    "bin_labels",
     "build_dataset",
     "default_data_config",
     "encode_splits",

@@ -49,6 +49,10 @@ def default_data_config() -> ml_collections.ConfigDict:
       kept); empty: sorted labels of train.
     - ``task_label_file``, ``attr_label_files.<name>``: reference-style label
       files (one label per line, index = line order) instead of class lists.
+    - ``attr_bins.<name>``: increasing bin edges that cut a numeric attribute
+      column (an age in years) into classes ``<e0``, ``[e0,e1)``, ...,
+      ``>=ek`` (tabular sources). On the command line these maps are set
+      whole: ``--config.data.attr_bins="{'age': (25, 35, 50, 65)}"``.
     - ``path``: one table file holding every split (split column mode).
     - ``split_files.{train,dev,test}``: one table file per split.
     - ``file_format``: ``csv``/``tsv``/``jsonl``/``parquet``; empty: from the
@@ -86,6 +90,7 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.attr_classes = ml_collections.ConfigDict()
     c.task_label_file = ""
     c.attr_label_files = ml_collections.ConfigDict()
+    c.attr_bins = ml_collections.ConfigDict()
 
     c.path = ""
     c.split_files = ml_collections.ConfigDict({"train": "", "dev": "", "test": ""})

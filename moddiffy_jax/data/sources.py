@@ -29,10 +29,16 @@ DWMW17_PATH = "../shared/data/dwmw17_dialect/dwmw17_dialect.csv"
 
 def load_synthetic(config: ml_collections.ConfigDict) -> TextDataset:
     """Generates the synthetic dataset from ``config.synthetic`` and ``config.seed``."""
-    if config.task_classes or len(config.attr_classes) or config.task_label_file:
+    bins = len(config.get("attr_bins", {}))
+    if (
+        config.task_classes
+        or len(config.attr_classes)
+        or config.task_label_file
+        or bins
+    ):
         raise ValueError(
             "The synthetic source defines its own classes; leave data.task_classes, "
-            "data.attr_classes and data.task_label_file empty."
+            "data.attr_classes, data.attr_bins and data.task_label_file empty."
         )
     syn = config.synthetic
     return generate_synthetic(
@@ -132,6 +138,7 @@ def _load_tabular(
         splits=tuple(config.splits),
         task_classes=task_classes or None,
         attr_classes=attr_classes,
+        attr_bins={k: tuple(v) for k, v in config.get("attr_bins", {}).items()},
     )
 
 

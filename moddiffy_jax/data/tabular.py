@@ -167,6 +167,7 @@ def load_tabular(
     splits: Sequence[str] = ("train", "dev", "test"),
     task_classes: Sequence[str] | None = None,
     attr_classes: Mapping[str, Sequence[str]] | None = None,
+    attr_bins: Mapping[str, Sequence[float]] | None = None,
 ) -> TextDataset:
     """Loads a labelled text dataset from table files with a column mapping.
 
@@ -192,6 +193,8 @@ def load_tabular(
       task_classes: explicit task classes (order kept), or ``None`` for the
         sorted train labels.
       attr_classes: attribute name -> explicit classes.
+      attr_bins: attribute name -> increasing bin edges for a numeric column
+        (see :func:`bin_labels`); its classes are the bins, in order.
 
     Returns:
       The encoded :class:`TextDataset` (``synthetic=False``).
@@ -199,7 +202,8 @@ def load_tabular(
     Raises:
       ValueError: missing columns (the message lists the available ones), split
         values matching no configured split, empty splits, unknown labels,
-        single-class attributes in train, missing label values.
+        single-class attributes in train, missing label values, a numeric
+        attribute with many values and no bins, a bin with no train example.
     """
     splits = tuple(splits)
     if "train" not in splits:
@@ -222,6 +226,20 @@ def load_tabular(
             f"{list(attributes)}."
         )
     attr_columns = {a: attr_columns.get(a) or a for a in attributes}
+    attr_bins = {a: tuple(e) for a, e in (attr_bins or {}).items() if len(e)}
+    extra = sorted(set(attr_bins) - set(attributes))
+    if extra:
+        raise ValueError(
+            f"data.attr_bins names {extra}, which are not in data.attributes "
+            f"{list(attributes)}."
+        )
+    both = sorted(a for a in attr_bins if (attr_classes or {}).get(a))
+    if both:
+        raise ValueError(
+            f"data.attr_bins and data.attr_classes (or attr_label_files) both set "
+            f"the classes of {both}; keep one: the bins name their own classes."
+        )
+    edges = {a: _check_edges(a, e) for a, e in attr_bins.items()}
     wanted = {"data.columns.text": text_column, "data.columns.task": task_column}
     if text_pair_column:
         wanted["data.columns.text_pair"] = text_pair_column
@@ -285,6 +303,19 @@ def load_tabular(
                 for a in attributes
             },
         )
+    attr_classes = dict(attr_classes or {})
+    for a, e in edges.items():
+        for s, cols in raw.items():
+            cols.attrs[a] = _binned(
+                cols.attrs[a], e, column=attr_columns[a], attribute=a, split=s
+            )
+        attr_classes[a] = bin_labels(e)
+        _check_bins_filled(raw["train"].attrs[a], attr_classes[a], attribute=a)
+    for a in attributes:
+        if a not in attr_classes:
+            _refuse_raw_numbers(
+                raw["train"].attrs[a], column=attr_columns[a], attribute=a
+            )
     return encode_splits(
         raw,
         attributes=tuple(attributes),
@@ -294,6 +325,110 @@ def load_tabular(
         attr_classes=attr_classes,
         name=name,
         synthetic=False,
+    )
+
+
+# An attribute column whose train values are all numbers and take more than
+# this many distinct values is a measurement (an age in years), not classes:
+# one class per value would give a probe tens of classes, most of them a
+# handful of rows, and dev or test values train never saw.
+MAX_NUMERIC_CLASSES = 20
+
+
+def bin_labels(edges: Sequence[float]) -> tuple[str, ...]:
+    """The class names of the bins cut at ``edges`` (increasing):
+    ``<e0``, ``[e0,e1)``, ..., ``>=ek``; a value equal to an edge goes to
+    the bin that starts there (PAN16's age groups 18-24, 25-34, 35-49,
+    50-64, 65-xx are ``edges=(25, 35, 50, 65)``)."""
+    e = [f"{float(x):g}" for x in edges]
+    middle = [f"[{lo},{hi})" for lo, hi in zip(e[:-1], e[1:], strict=True)]
+    return (f"<{e[0]}", *middle, f">={e[-1]}")
+
+
+def _check_edges(attribute: str, edges: Sequence) -> tuple[float, ...]:
+    try:
+        out = tuple(float(x) for x in edges)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"data.attr_bins.{attribute} = {tuple(edges)!r}: bin edges must be "
+            "numbers, e.g. (25, 35, 50, 65)."
+        ) from None
+    if any(b <= a for a, b in zip(out[:-1], out[1:], strict=True)) or any(
+        x != x for x in out
+    ):
+        raise ValueError(
+            f"data.attr_bins.{attribute} = {tuple(edges)!r}: bin edges must be "
+            "strictly increasing numbers, e.g. (25, 35, 50, 65)."
+        )
+    return out
+
+
+def _as_number(value: str) -> float | None:
+    try:
+        x = float(value)
+    except ValueError:
+        return None
+    return x if x == x else None  # NaN is no number here
+
+
+def _binned(
+    values: Sequence[str],
+    edges: Sequence[float],
+    *,
+    column: str,
+    attribute: str,
+    split: str,
+) -> list[str]:
+    names = bin_labels(edges)
+    out = []
+    for row, v in enumerate(values):
+        x = _as_number(v)
+        if x is None:
+            raise ValueError(
+                f"Value {v!r} in column {column!r} of split {split!r} (row {row}) "
+                f"is not a number, and data.attr_bins.{attribute} cuts the column "
+                "into numeric bins. Clean the file, or drop the bins to read the "
+                "column's values as classes."
+            )
+        out.append(names[sum(x >= e for e in edges)])
+    return out
+
+
+def _check_bins_filled(
+    train: Sequence[str], names: Sequence[str], *, attribute: str
+) -> None:
+    empty = [n for n in names if n not in set(train)]
+    if empty:
+        raise ValueError(
+            f"The bins {empty} of data.attr_bins.{attribute} hold no train "
+            "example; a probe cannot learn a class it never sees. Move or drop "
+            "edges so every bin has train examples."
+        )
+
+
+def _refuse_raw_numbers(train: Sequence[str], *, column: str, attribute: str) -> None:
+    distinct = set(train)
+    if len(distinct) <= MAX_NUMERIC_CLASSES:
+        return
+    numbers = [_as_number(v) for v in distinct]
+    if any(x is None for x in numbers):
+        return
+    values = sorted(float(v) for v in train)
+    # The train quartiles as an example cut (three significant digits).
+    quartiles = sorted(
+        {float(f"{values[len(values) * q // 4]:.3g}") for q in (1, 2, 3)} - {values[0]}
+    )
+    example = ", ".join(f"{x:g}" for x in quartiles) + (
+        "," if len(quartiles) == 1 else ""
+    )
+    raise ValueError(
+        f"Attribute {attribute!r} (column {column!r}) has {len(distinct)} distinct "
+        f"numeric values in train ({values[0]:g} to {values[-1]:g}): read as "
+        "classes, each value would be its own class. Cut it into groups with "
+        f"data.attr_bins, e.g. at its train quartiles: "
+        f"--config.data.attr_bins=\"{{'{attribute}': ({example})}}\" (classes "
+        f"{', '.join(bin_labels(quartiles))}), or list the classes you mean in "
+        "data.attr_classes."
     )
 
 
