@@ -502,3 +502,32 @@ def test_bad_input_is_one_clear_line_and_changes_nothing(
     before.pop(pathlib.Path("run/.lock"), None)
     assert after == before, sorted(set(after) ^ set(before))
     assert os.listdir(workdir)  # the user's files are still there
+
+
+@pytest.mark.parametrize(
+    "given, value",
+    [
+        ("--config.data.columns.attributes.gender=sex", "'sex'"),  # a bare word
+        ("--config.data.attr_bins.age=(25, 35)", "(25, 35)"),
+    ],
+)
+def test_a_map_key_flag_is_answered_with_a_whole_map_flag_that_parses(given, value):
+    from absl import flags
+
+    argv = ["moddiffy_jax.main", "--config=configs/moddiffy_par.py", given]
+    key = given.split("=", 1)[0][len("--config.") :]
+    whole, name = key.rsplit(".", 1)
+    message = main.explain_flag_error(argv, AttributeError(repr(name)))
+    suggested = f"--config.{whole}=\"{{'{name}': {value}}}\""
+    assert suggested in message, message
+    # The suggested flag, as a shell passes it, sets the map.
+    argv = [argv[0], argv[1], suggested.replace('"', ""), "--workdir=/nonexistent"]
+    fv = flags.FlagValues()
+    main.define_flags(fv, argv)
+    fv(argv)
+    got = dict(
+        fv.config.data.columns.attributes
+        if "columns" in whole
+        else fv.config.data.attr_bins
+    )
+    assert got == {name: __import__("ast").literal_eval(value)}
