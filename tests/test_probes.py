@@ -470,3 +470,31 @@ def test_the_converged_mlp_read_once_is_the_curves_best_dev_epoch(dev_classes):
         probes.converged_mlp_probe(*splits, num_classes=2, config=loss_rule)
     with pytest.raises(ValueError, match="select must be one of"):
         probes.ProbeConfig(select="dev_acc")
+
+
+def test_constant_columns_get_scale_one_wherever_the_array_sits():
+    # A diff that holds coordinates at their train mean (the task bottleneck,
+    # the discriminant's diff) leaves exactly constant columns. Summed in
+    # float32, their std came out 1e-7 to 4e-5 or 0 by the array's address,
+    # and a converged MLP read dwmw17's bottleneck row at chance at one
+    # address and at 0.845 at another (stop 76).
+    from moddiffy_jax.eval.probe_inputs import standardizer
+
+    rng = np.random.default_rng(0)
+    n, d = 7474, 64
+    values = np.empty((n, d), np.float32)
+    values[:] = (rng.normal(size=d) * 0.3).astype(np.float32)
+    values[:, 0] = rng.normal(size=n)
+    results = []
+    for offset in (0, 4, 8, 16, 32, 48):
+        buf = np.zeros(n * d * 4 + 64, np.uint8)
+        x = np.ndarray((n, d), np.float32, buffer=buf, offset=offset)
+        x[:] = values
+        mean, scale = standardizer(x)
+        assert (scale[1:] == 1.0).all(), (offset, scale[1:][scale[1:] != 1.0][:4])
+        np.testing.assert_array_equal(mean[1:], values[0, 1:])  # each column's value
+        np.testing.assert_allclose(scale[0], values[:, 0].astype(np.float64).std())
+        results.append((mean, scale))
+    for mean, scale in results[1:]:
+        np.testing.assert_array_equal(mean, results[0][0])
+        np.testing.assert_array_equal(scale, results[0][1])

@@ -55,9 +55,18 @@ def standardizer(train_h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     (the L2 penalty and the fixed learning rate then act as a far stronger
     regulariser) does not look like removal. Features that are constant on
     train get scale 1.
+
+    Both are summed in float64. numpy's float32 reductions sum in blocks
+    that depend on where the array sits in memory, so a column that is
+    exactly constant (a coordinate a diff holds at its mean: the task
+    bottleneck, the discriminant's diff) got a spurious scale of 1e-7 to
+    4e-5 or none, by the array's address; with one, such columns became
+    hundreds of constant inputs of size up to 1, and the converged MLP read
+    dwmw17's bottleneck row at chance (0.500) where the same bytes at
+    another address read 0.845 (stop 76).
     """
-    mean = train_h.mean(0)
-    scale = train_h.std(0)
+    mean = np.mean(train_h, axis=0, dtype=np.float64)
+    scale = np.std(train_h, axis=0, dtype=np.float64)
     tiny = scale <= 1e-6 * max(float(scale.max()), 1e-30)
     return mean.astype(np.float32), np.where(tiny, 1.0, scale).astype(np.float32)
 
