@@ -676,3 +676,40 @@ def test_bins_are_checked_and_raw_numbers_refused(tmp_path):
     few = [dict(r, gen=str(int(r["gen"]) % 20)) for r in rows]
     c = _tabular_config(path=_write_csv(tmp_path / "e.csv", few), split_column="part")
     assert len(data.load_text_dataset(c).attr_classes["gender"]) == 20
+
+
+def test_rows_with_an_empty_value_are_an_error_or_left_out(tmp_path, caplog):
+    rows = _rows("train", 8) + _rows("dev", 4) + _rows("test", 4)
+    rows[1]["gen"] = ""  # train: no attribute value
+    rows[2]["y"] = " "  # train: no task label
+    rows[9]["sentence"] = ""  # dev: no text
+    path = _write_csv(tmp_path / "d.csv", rows)
+    c = _tabular_config(path=path, split_column="part")
+    with pytest.raises(
+        ValueError, match=r"Missing label in column 'y'.*missing='drop'"
+    ):
+        data.load_text_dataset(c)
+    c.missing = "drop"
+    with caplog.at_level("WARNING"):
+        ds = data.load_text_dataset(c)
+    assert {s: len(v) for s, v in ds.splits.items()} == {
+        "train": 6,
+        "dev": 3,
+        "test": 4,
+    }
+    kept = [r["sentence"] for r in rows[:8] if r["gen"] and r["y"].strip()]
+    assert ds.splits["train"].text == kept
+    assert "2 of 8 rows of split 'train'" in caplog.text
+    assert "{'y': 1, 'gen': 1}" in caplog.text
+    # JSON nulls and NaNs are empty too.
+    files = {}
+    for s in ("train", "dev", "test"):
+        rs = _rows(s, 6)
+        rs[0]["gen"] = None
+        rs[1]["y"] = float("nan")
+        files[s] = _write_jsonl(tmp_path / f"{s}.jsonl", rs)
+    c = _tabular_config(split_files=files, missing="drop")
+    assert len(data.load_text_dataset(c).splits["dev"]) == 4
+    c.missing = "skip"
+    with pytest.raises(ValueError, match=r"data.missing='skip' is not one of"):
+        data.load_text_dataset(c)

@@ -53,6 +53,9 @@ def default_data_config() -> ml_collections.ConfigDict:
       column (an age in years) into classes ``<e0``, ``[e0,e1)``, ...,
       ``>=ek`` (tabular sources). On the command line these maps are set
       whole: ``--config.data.attr_bins="{'age': (25, 35, 50, 65)}"``.
+    - ``missing``: ``"error"`` (default: a row with an empty text, task label
+      or attribute value is an error that names it) or ``"drop"`` (such rows
+      are left out of their split; the counts are logged). Tabular sources.
     - ``path``: one table file holding every split (split column mode).
     - ``split_files.{train,dev,test}``: one table file per split.
     - ``file_format``: ``csv``/``tsv``/``jsonl``/``parquet``; empty: from the
@@ -92,6 +95,7 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.attr_label_files = ml_collections.ConfigDict()
     c.attr_bins = ml_collections.ConfigDict()
 
+    c.missing = "error"
     c.path = ""
     c.split_files = ml_collections.ConfigDict({"train": "", "dev": "", "test": ""})
     c.file_format = ""

@@ -139,6 +139,7 @@ def _load_tabular(
         task_classes=task_classes or None,
         attr_classes=attr_classes,
         attr_bins={k: tuple(v) for k, v in config.get("attr_bins", {}).items()},
+        missing=config.get("missing", "error"),
     )
 
 

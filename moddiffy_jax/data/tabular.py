@@ -16,6 +16,8 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 
+from absl import logging
+
 from moddiffy_jax.data.dataset import StringColumns, TextDataset, encode_splits
 
 FORMATS = ("csv", "tsv", "jsonl", "parquet")
@@ -168,6 +170,7 @@ def load_tabular(
     task_classes: Sequence[str] | None = None,
     attr_classes: Mapping[str, Sequence[str]] | None = None,
     attr_bins: Mapping[str, Sequence[float]] | None = None,
+    missing: str = "error",
 ) -> TextDataset:
     """Loads a labelled text dataset from table files with a column mapping.
 
@@ -195,6 +198,10 @@ def load_tabular(
       attr_classes: attribute name -> explicit classes.
       attr_bins: attribute name -> increasing bin edges for a numeric column
         (see :func:`bin_labels`); its classes are the bins, in order.
+      missing: ``"error"`` (a row with an empty text, task label or
+        attribute value is an error naming it) or ``"drop"`` (such rows are
+        left out of their split, and the count per split and column is
+        logged).
 
     Returns:
       The encoded :class:`TextDataset` (``synthetic=False``).
@@ -206,6 +213,7 @@ def load_tabular(
         attribute with many values and no bins, a bin with no train example.
     """
     splits = tuple(splits)
+    empty_rows = missing  # (the name ``missing`` is reused below)
     if "train" not in splits:
         raise ValueError(f"data.splits must include 'train', got {list(splits)}.")
     if not text_column or not task_column:
@@ -281,6 +289,18 @@ def load_tabular(
             "data.split_files.<split> (one file per split)."
         )
 
+    if empty_rows not in MISSING:
+        raise ValueError(
+            f"data.missing={empty_rows!r} is not one of {MISSING} (error: a row "
+            "with an empty text or label is an error; drop: such rows are left "
+            "out)."
+        )
+    if empty_rows == "drop":
+        needed = [text_column, task_column, *(attr_columns[a] for a in attributes)]
+        tables = {
+            s: (where, _drop_missing(table, needed, where=where, split=s))
+            for s, (where, table) in tables.items()
+        }
     raw = {}
     for s, (where, table) in tables.items():
         raw[s] = StringColumns(
@@ -326,6 +346,44 @@ def load_tabular(
         name=name,
         synthetic=False,
     )
+
+
+MISSING = ("error", "drop")
+
+
+def _is_missing(value) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, float) and value != value:  # NaN (Parquet, JSON)
+        return True
+    return isinstance(value, str) and not value.strip()
+
+
+def _drop_missing(
+    table: Mapping[str, list], columns: Sequence[str], *, where: str, split: str
+) -> dict[str, list]:
+    """``table`` without the rows that hold an empty value in ``columns``;
+    the count per column is logged (a row may count in several)."""
+    counts = {c: 0 for c in columns}
+    keep = []
+    for i in range(len(table[columns[0]])):
+        empty = [c for c in columns if _is_missing(table[c][i])]
+        for c in empty:
+            counts[c] += 1
+        if not empty:
+            keep.append(i)
+    dropped = len(table[columns[0]]) - len(keep)
+    if dropped:
+        logging.warning(
+            "data.missing='drop': %d of %d rows of split %r (%s) left out for "
+            "an empty value (per column: %s).",
+            dropped,
+            len(table[columns[0]]),
+            split,
+            where,
+            {c: n for c, n in counts.items() if n},
+        )
+    return {k: [col[i] for i in keep] for k, col in table.items()}
 
 
 # An attribute column whose train values are all numbers and take more than
@@ -488,14 +546,16 @@ def _text(values: list, *, column: str, where: str, split: str) -> list[str]:
         if v is None:
             raise ValueError(
                 f"Missing text in column {column!r} of split {split!r} ({where}), "
-                f"row {row}."
+                f"row {row}. Fill or drop the row, or set data.missing='drop' to "
+                "leave such rows out."
             )
     empty = [row for row, v in enumerate(values) if not str(v).strip()]
     if empty:
         raise ValueError(
             f"{len(empty)} empty text(s) in column {column!r} of split {split!r} "
             f"({where}), rows {empty[:5]}{' ...' if len(empty) > 5 else ''}: an "
-            "empty input says nothing about its labels. Drop or fill those rows."
+            "empty input says nothing about its labels. Drop or fill those rows, "
+            "or set data.missing='drop' to leave them out."
         )
     return [str(v) for v in values]
 
@@ -506,7 +566,8 @@ def _labels(values: list, *, column: str, where: str, split: str) -> list[str]:
         if v is None or (isinstance(v, str) and not v.strip()):
             raise ValueError(
                 f"Missing label in column {column!r} of split {split!r} ({where}), "
-                f"row {row}. Clean the file (drop or label the row)."
+                f"row {row}. Clean the file (drop or label the row), or set "
+                "data.missing='drop' to leave such rows out."
             )
         out.append(str(v).strip())
     return out
