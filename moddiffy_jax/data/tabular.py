@@ -213,7 +213,6 @@ def load_tabular(
         attribute with many values and no bins, a bin with no train example.
     """
     splits = tuple(splits)
-    empty_rows = missing  # (the name ``missing`` is reused below)
     if "train" not in splits:
         raise ValueError(f"data.splits must include 'train', got {list(splits)}.")
     if not text_column or not task_column:
@@ -273,10 +272,10 @@ def load_tabular(
             splits=splits,
         )
     elif split_files:
-        missing = [s for s in splits if s not in split_files]
-        if missing:
+        no_file = [s for s in splits if s not in split_files]
+        if no_file:
             raise ValueError(
-                f"No file for split(s) {missing} in data.split_files {split_files}; "
+                f"No file for split(s) {no_file} in data.split_files {split_files}; "
                 "set data.split_files.<split> or drop it from data.splits."
             )
         for s in splits:
@@ -289,13 +288,13 @@ def load_tabular(
             "data.split_files.<split> (one file per split)."
         )
 
-    if empty_rows not in MISSING:
+    if missing not in MISSING:
         raise ValueError(
-            f"data.missing={empty_rows!r} is not one of {MISSING} (error: a row "
+            f"data.missing={missing!r} is not one of {MISSING} (error: a row "
             "with an empty text or label is an error; drop: such rows are left "
             "out)."
         )
-    if empty_rows == "drop":
+    if missing == "drop":
         needed = [text_column, task_column, *(attr_columns[a] for a in attributes)]
         tables = {
             s: (where, _drop_missing(table, needed, where=where, split=s))
@@ -563,7 +562,7 @@ def _text(values: list, *, column: str, where: str, split: str) -> list[str]:
 def _labels(values: list, *, column: str, where: str, split: str) -> list[str]:
     out = []
     for row, v in enumerate(values):
-        if v is None or (isinstance(v, str) and not v.strip()):
+        if _is_missing(v):  # None, a blank string or NaN
             raise ValueError(
                 f"Missing label in column {column!r} of split {split!r} ({where}), "
                 f"row {row}. Clean the file (drop or label the row), or set "
