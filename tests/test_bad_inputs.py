@@ -241,6 +241,19 @@ CASES = [
         r"Column\(s\) 'text'.*Available columns.*Fix",
     ),
     Case(
+        "one file with no split column",
+        lambda t, w: _tabular(_csv(t / "d.csv", header="text,label,gender,part")),
+        r"Split column 'split'.*not found.*data.split_column.*"
+        r"--config.data.split_shares='\(0.8, 0.1, 0.1\)'",
+    ),
+    Case(
+        "split shares that do not sum to 1",
+        lambda t, w: (
+            _tabular(_csv(t / "d.csv")) + ["--config.data.split_shares=(0.8, 0.3, 0.1)"]
+        ),
+        r"data.split_shares \(0.8, 0.3, 0.1\) sums to 1.2.*must sum to 1",
+    ),
+    Case(
         "unknown task label",
         lambda t, w: (
             _tabular(_csv(t / "d.csv"))

@@ -240,6 +240,72 @@ def test_empty_split_and_unmapped_split_values(tmp_path):
         data.load_text_dataset(_tabular_config(path=path, split_column="part"))
 
 
+def test_one_file_with_no_split_column_split_at_random(tmp_path):
+    # 200 rows in cells of very different sizes (a 4-row minority cell).
+    rows = []
+    for i in range(200):
+        y = "pos" if i % 2 else "neg"
+        g = "m" if (i < 4 or (i >= 100 and i % 3)) else "f"
+        rows.append({"sentence": f"example {i}", "y": y, "gen": g})
+    path = _write_csv(tmp_path / "all.csv", rows)
+    # Without the option the error names the split column and the fix.
+    with pytest.raises(ValueError, match="'split'.*data.split_shares") as e:
+        data.load_text_dataset(_tabular_config(path=path))
+    assert "Available columns: ['sentence', 'y', 'gen']" in str(e.value)
+    c = _tabular_config(path=path, split_shares=(0.8, 0.1, 0.1))
+    a = data.load_text_dataset(c)
+    sizes = {s: len(a.splits[s]) for s in a.splits}
+    assert sum(sizes.values()) == 200
+    assert abs(sizes["train"] - 160) <= 2 and abs(sizes["dev"] - 20) <= 2
+    seen = [t for s in a.splits for t in a.splits[s].text]
+    assert sorted(seen) == sorted(r["sentence"] for r in rows)  # each row once
+    # Stratified: every split holds both task labels within both genders.
+    for s in a.splits:
+        task, gender = a.splits[s].task.tolist(), a.splits[s].attrs["gender"].tolist()
+        cells = set(zip(task, gender, strict=True))
+        assert len(cells) == 4, (s, cells)
+    # Within a split the file's order is kept.
+    order = [int(t.split()[1]) for t in a.splits["train"].text]
+    assert order == sorted(order)
+    # The same seed gives the same split; another seed another.
+    b = data.load_text_dataset(_tabular_config(path=path, split_shares=(0.8, 0.1, 0.1)))
+    assert a.splits["test"].text == b.splits["test"].text
+    other = _tabular_config(path=path, split_shares=(0.8, 0.1, 0.1), seed=1)
+    assert data.load_text_dataset(other).splits["test"].text != a.splits["test"].text
+
+
+def test_split_shares_bad_values(tmp_path):
+    rows = [
+        {"sentence": f"e {i}", "y": "ab"[i % 2], "gen": "fm"[i // 2 % 2]}
+        for i in range(40)
+    ]
+    path = _write_csv(tmp_path / "all.csv", rows)
+    for shares, match in (
+        ((0.8, 0.2), "2 value.*3 splits"),
+        ((0.8, 0.3, 0.1), "sums to 1.2"),
+        ((0.9, 0.1, 0.0), "split 'test' the share 0.0"),
+        ((0.8, "x", 0.1), "split 'dev' the share 'x'"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            data.load_text_dataset(_tabular_config(path=path, split_shares=shares))
+    c = _tabular_config(split_shares=(0.8, 0.1, 0.1))
+    c.split_files = {"train": path, "dev": path, "test": path}
+    with pytest.raises(ValueError, match="split_shares splits one file"):
+        data.load_text_dataset(c)
+
+
+def test_split_rows_deals_leftovers_to_the_furthest_behind():
+    from moddiffy_jax.data import random_split
+
+    # 50 strata of 3 rows: per stratum 0.8/0.1/0.1 leaves leftovers; dealt
+    # to whichever split is furthest below its share, the totals match.
+    strata = [[i // 3 for i in range(150)]]
+    parts = random_split.split_rows(strata, (0.8, 0.1, 0.1), seed=0)
+    assert [len(p) for p in parts] == [120, 15, 15]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(150))
+    assert random_split.split_rows([], (0.5, 0.5), seed=0)[0].size == 0
+
+
 def test_single_class_attribute(tmp_path):
     rows = _rows("train", g=("f",)) + _rows("dev") + _rows("test")
     path = _write_csv(tmp_path / "d.csv", rows)

@@ -34,7 +34,8 @@ def default_data_config() -> ml_collections.ConfigDict:
       ``pan16``, ``fcdl18``, ``dwmw17_dialect``).
     - ``name``: dataset name for reports (empty: the source name; the
       synthetic source is always named ``synthetic``).
-    - ``seed``: seed of the synthetic generator and of balancing.
+    - ``seed``: seed of the synthetic generator, of balancing and of the
+      random split (``split_shares``).
     - ``splits``: splits to load; must include ``train``.
     - ``max_length``: token length of every example (the most it may be).
     - ``trim_padding``: cut the token axis to the longest example over all
@@ -63,6 +64,11 @@ def default_data_config() -> ml_collections.ConfigDict:
     - ``split_column``: the column holding the split (``path`` mode).
     - ``split_names.{train,dev,test}``: the value of each split in the split
       column, e.g. ``split_names.dev = "val"``.
+    - ``split_shares``: for one file with no split column (``path`` mode):
+      each split's share of its rows, in the order of ``splits``, e.g.
+      ``(0.8, 0.1, 0.1)``; the rows are split at random, stratified by the
+      task label and the attributes, seeded by ``seed`` (the same file and
+      seed give the same split). Empty (default): the split column says.
     - ``columns.text``, ``columns.text_pair``, ``columns.task``: column names
       (``text_pair`` empty: single-segment input).
     - ``columns.attributes.<name>``: column of attribute ``<name>`` where it
@@ -100,6 +106,7 @@ def default_data_config() -> ml_collections.ConfigDict:
     c.split_files = ml_collections.ConfigDict({"train": "", "dev": "", "test": ""})
     c.file_format = ""
     c.split_column = "split"
+    c.split_shares = ()
     c.split_names = ml_collections.ConfigDict(
         {"train": "train", "dev": "dev", "test": "test"}
     )

@@ -140,6 +140,8 @@ def _load_tabular(
         attr_classes=attr_classes,
         attr_bins={k: tuple(v) for k, v in config.get("attr_bins", {}).items()},
         missing=config.get("missing", "error"),
+        split_shares=tuple(config.get("split_shares", ())),
+        split_seed=int(config.get("seed", 0)),
     )
 
 

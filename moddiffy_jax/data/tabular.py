@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 
 from absl import logging
 
+from moddiffy_jax.data import random_split
 from moddiffy_jax.data.dataset import StringColumns, TextDataset, encode_splits
 
 FORMATS = ("csv", "tsv", "jsonl", "parquet")
@@ -171,6 +172,8 @@ def load_tabular(
     attr_classes: Mapping[str, Sequence[str]] | None = None,
     attr_bins: Mapping[str, Sequence[float]] | None = None,
     missing: str = "error",
+    split_shares: Sequence[float] = (),
+    split_seed: int = 0,
 ) -> TextDataset:
     """Loads a labelled text dataset from table files with a column mapping.
 
@@ -202,6 +205,12 @@ def load_tabular(
         attribute value is an error naming it) or ``"drop"`` (such rows are
         left out of their split, and the count per split and column is
         logged).
+      split_shares: for ``path`` mode with no split column: each split's
+        share of the file's rows (one per split in ``splits``, summing to 1);
+        the rows are split at random, stratified by the task label and the
+        attributes (:mod:`moddiffy_jax.data.random_split`). Empty: the split
+        column says.
+      split_seed: the random split's seed.
 
     Returns:
       The encoded :class:`TextDataset` (``synthetic=False``).
@@ -261,9 +270,50 @@ def load_tabular(
             f"split_files={split_files})."
         )
     tables: dict[str, tuple[str, dict[str, list]]] = {}
-    if path:
+    if split_shares and not path:
+        raise ValueError(
+            "data.split_shares splits one file (data.path) at random; with "
+            "data.split_files each split has its own file already: leave "
+            "data.split_shares empty, or give the whole table as data.path."
+        )
+    if path and split_shares:
+        shares = random_split.check_shares(split_shares, splits)
         table = read_table(path, file_format=file_format)
-        _check_columns(table, {**wanted, "data.split_column": split_column}, where=path)
+        _check_columns(table, wanted, where=path)
+        if split_column in table:
+            logging.info(
+                "data.split_shares is set: %s's column %r is not read; the rows "
+                "are split at random (data.seed=%d).",
+                path,
+                split_column,
+                split_seed,
+            )
+        tables = random_split.split_table(
+            table,
+            path=path,
+            splits=splits,
+            shares=shares,
+            strata=[task_column, *(attr_columns[a] for a in attributes)],
+            seed=split_seed,
+        )
+        logging.info(
+            "Split %s at random: %s rows.",
+            path,
+            {s: len(t[text_column]) for s, (_, t) in tables.items()},
+        )
+    elif path:
+        table = read_table(path, file_format=file_format)
+        _check_columns(table, wanted, where=path)
+        if split_column not in table:
+            raise ValueError(
+                f"Split column {split_column!r} (data.split_column) not found in "
+                f"{path!r}. Available columns: {list(table)}. Name the column "
+                "that holds each row's split in data.split_column, or, for a file "
+                "with no split column, set data.split_shares (e.g. "
+                "--config.data.split_shares='(0.8, 0.1, 0.1)') to split its rows "
+                "at random, stratified by task label and attributes and seeded "
+                "by data.seed."
+            )
         tables = _split_by_column(
             table,
             path=path,
