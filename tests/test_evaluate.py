@@ -683,3 +683,35 @@ def test_the_parts_functions_are_kept_for_the_last_few_models_only():
     held = [id(entry[0]) for entry in dd._PARTS_FNS.values()]
     assert held == [id(m) for m in models[-dd._PARTS_KEPT :]]
     dd._PARTS_FNS.clear()
+
+
+def test_a_removal_the_converged_mlp_reads_back_is_named_linear_only():
+    from moddiffy_jax.eval import report
+
+    def row(lin, mlp):
+        return {
+            "leakage": {
+                "dialect": {
+                    "linear": {"test_balanced_accuracy": lin},
+                    "mlp": {"test_balanced_accuracy": mlp},
+                }
+            }
+        }
+
+    floors = {"dialect": {"floor": 0.8, "chance": 0.5}}
+    rows = {
+        "core": row(0.96, 0.96),
+        "core+eraser": row(0.85, 0.93),  # 0.69 linear, 0.19 mlp
+        "core+swap": row(0.86, 0.87),  # 0.62, 0.56: both past half
+        "core+weak": row(0.93, 0.95),  # under half under both
+    }
+    found = report.linear_only(rows, ["dialect"], floors)
+    assert [(r, a) for r, a, _, _ in found] == [("core+eraser", "dialect")]
+    assert found[0][2:] == pytest.approx((0.6875, 0.1875))
+    lines = report._linear_only_lines(rows, ["dialect"], floors)
+    assert "core+eraser (dialect: 0.69 linear, 0.19 mlp)" in lines[-1]
+    # A row with no converged-MLP reading is left out, not flagged.
+    rows["core+old"] = {
+        "leakage": {"dialect": {"linear": {"test_balanced_accuracy": 0.8}}}
+    }
+    assert len(report.linear_only(rows, ["dialect"], floors)) == 1

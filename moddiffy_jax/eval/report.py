@@ -197,6 +197,8 @@ def format_report(results: Mapping[str, Any]) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", _floor_note()]
         lines += _gap_closed_lines(rows, attrs, floors, has_mlp)
+        if has_mlp:
+            lines += _linear_only_lines(rows, attrs, floors)
     if flagged:
         lines += [
             "",
@@ -421,6 +423,55 @@ def _gap_closed_lines(rows, attrs, floors, has_mlp=False) -> list[str]:
                 cells.append(_fmt(value))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+#: The share of its gap a row must close under the linear probe, and not
+#: under the converged MLP, to be named "linear only" (the efficacy bar's).
+LINEAR_ONLY_SHARE = 0.5
+
+
+def linear_only(rows, attrs, floors) -> list[tuple[str, str, float, float]]:
+    """``(row, attribute, linear share, mlp share)`` for each row that closes
+    at least :data:`LINEAR_ONLY_SHARE` of an attribute's core-to-floor gap
+    under the linear probe and less under the converged MLP: a removal a
+    nonlinear reader reads back (a linear eraser's; docs/efficacy.md, stop
+    57), which the linear column alone would pass."""
+    core = rows.get("core")
+    if core is None:
+        return []
+
+    def read(row, a, kind):
+        return row["leakage"][a].get(kind, {}).get("test_balanced_accuracy")
+
+    out = []
+    for label, row in rows.items():
+        if label == "core":
+            continue
+        for a in attrs:
+            f = floors[a]["floor"]
+            lin = gap_closed(read(core, a, "linear"), read(row, a, "linear"), f)
+            mlp = gap_closed(read(core, a, "mlp"), read(row, a, "mlp"), f)
+            if lin is None or mlp is None or any(map(math.isnan, (lin, mlp))):
+                continue
+            if lin >= LINEAR_ONLY_SHARE > mlp:
+                out.append((label, a, lin, mlp))
+    return out
+
+
+def _linear_only_lines(rows, attrs, floors) -> list[str]:
+    found = linear_only(rows, attrs, floors)
+    if not found:
+        return []
+    named = "; ".join(
+        f"{label} ({a}: {lin:.2f} linear, {mlp:.2f} mlp)"
+        for label, a, lin, mlp in found
+    )
+    return [
+        "",
+        f"*linear only*: {named} close at least {LINEAR_ONLY_SHARE:g} of the "
+        "gap under the linear probe and less under the converged MLP: the "
+        "removal is linear, and a nonlinear reader reads back the rest.",
+    ]
 
 
 def _ood_detail_tables(rows: Mapping[str, Any], ood_names: Sequence[str]) -> list:
