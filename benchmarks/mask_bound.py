@@ -111,22 +111,15 @@ def main() -> None:
             )
             if s == "test":
                 touched = float(hit.any(1).mean())
-        reads = [h["train"], labels["train"], h["dev"], labels["dev"], h["test"]]
-        reads.append(labels["test"])
+        splits_of = ("train", "dev", "test")
+        reads = [x for s in splits_of for x in (h[s], labels[s])]
         lin = probes.linear_probe(
             *reads, num_classes=n_attr, tol=1e-4, class_weighted=True
         )
         conv = probes.converged_mlp_probe(*reads, num_classes=n_attr)
+        task_reads = [x for s in splits_of for x in (h[s], task[s])]
         task_probe = probes.linear_probe(
-            h["train"],
-            task["train"],
-            h["dev"],
-            task["dev"],
-            h["test"],
-            task["test"],
-            num_classes=n_task,
-            tol=1e-4,
-            class_weighted=True,
+            *task_reads, num_classes=n_task, tol=1e-4, class_weighted=True
         )
         row = {
             "test_rows_touched": touched,
