@@ -270,41 +270,33 @@ def load_tabular(
             f"split_files={split_files})."
         )
     tables: dict[str, tuple[str, dict[str, list]]] = {}
-    if split_shares and not path:
+    if split_shares and split_files:
         raise ValueError(
             "data.split_shares splits one file (data.path) at random; with "
             "data.split_files each split has its own file already: leave "
             "data.split_shares empty, or give the whole table as data.path."
         )
-    if path and split_shares:
-        shares = random_split.check_shares(split_shares, splits)
+    if path:
+        shares = random_split.check_shares(split_shares, splits) if split_shares else ()
         table = read_table(path, file_format=file_format)
         _check_columns(table, wanted, where=path)
-        if split_column in table:
-            logging.info(
-                "data.split_shares is set: %s's column %r is not read; the rows "
-                "are split at random (data.seed=%d).",
-                path,
-                split_column,
-                split_seed,
+        if shares:
+            tables = random_split.split_table(
+                table,
+                path=path,
+                splits=splits,
+                shares=shares,
+                strata=[task_column, *(attr_columns[a] for a in attributes)],
+                seed=split_seed,
             )
-        tables = random_split.split_table(
-            table,
-            path=path,
-            splits=splits,
-            shares=shares,
-            strata=[task_column, *(attr_columns[a] for a in attributes)],
-            seed=split_seed,
-        )
-        logging.info(
-            "Split %s at random: %s rows.",
-            path,
-            {s: len(t[text_column]) for s, (_, t) in tables.items()},
-        )
-    elif path:
-        table = read_table(path, file_format=file_format)
-        _check_columns(table, wanted, where=path)
-        if split_column not in table:
+            logging.info(
+                "Split %s at random (data.split_shares, data.seed=%d%s): %s rows.",
+                path,
+                split_seed,
+                f"; its column {split_column!r} not read" * (split_column in table),
+                {s: len(t[text_column]) for s, (_, t) in tables.items()},
+            )
+        elif split_column not in table:
             raise ValueError(
                 f"Split column {split_column!r} (data.split_column) not found in "
                 f"{path!r}. Available columns: {list(table)}. Name the column "
@@ -314,13 +306,14 @@ def load_tabular(
                 "at random, stratified by task label and attributes and seeded "
                 "by data.seed."
             )
-        tables = _split_by_column(
-            table,
-            path=path,
-            split_column=split_column,
-            split_names=dict(split_names or {s: s for s in splits}),
-            splits=splits,
-        )
+        else:
+            tables = _split_by_column(
+                table,
+                path=path,
+                split_column=split_column,
+                split_names=dict(split_names or {s: s for s in splits}),
+                splits=splits,
+            )
     elif split_files:
         no_file = [s for s in splits if s not in split_files]
         if no_file:
