@@ -394,13 +394,21 @@ def gap_closed(core: float, value: float, floor: float) -> float | None:
     return (core - value) / (core - floor)
 
 
+def _probe_read(row, a: str, kind: str) -> float | None:
+    """A row's test balanced accuracy of attribute ``a`` under probe ``kind``
+    (``linear``, ``mlp``), or None where it was not read."""
+    return row["leakage"][a].get(kind, {}).get("test_balanced_accuracy")
+
+
+def _probe_closed(core, row, a: str, kind: str, floor: float) -> float | None:
+    """The share of the core-to-floor gap ``row`` closes under probe ``kind``."""
+    return gap_closed(_probe_read(core, a, kind), _probe_read(row, a, kind), floor)
+
+
 def _gap_closed_lines(rows, attrs, floors, has_mlp=False) -> list[str]:
     if "core" not in rows:
         return []
     kinds = ("linear", "mlp") if has_mlp else ("linear",)
-
-    def probe(row, a, kind):
-        return row["leakage"][a].get(kind, {}).get("test_balanced_accuracy")
 
     names = ["probes", "lin"] + ["mlp"] * has_mlp
     head = " | ".join(f"{a} gap closed ({n})" for a in attrs for n in names)
@@ -419,7 +427,7 @@ def _gap_closed_lines(rows, attrs, floors, has_mlp=False) -> list[str]:
             mean = row["leakage"][a]["mean"]
             cells.append(_fmt(gap_closed(core["leakage"][a]["mean"], mean, f)))
             for kind in kinds:
-                value = gap_closed(probe(core, a, kind), probe(row, a, kind), f)
+                value = _probe_closed(core, row, a, kind, f)
                 cells.append(_fmt(value))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -440,17 +448,14 @@ def linear_only(rows, attrs, floors) -> list[tuple[str, str, float, float]]:
     if core is None:
         return []
 
-    def read(row, a, kind):
-        return row["leakage"][a].get(kind, {}).get("test_balanced_accuracy")
-
     out = []
     for label, row in rows.items():
         if label == "core":
             continue
         for a in attrs:
             f = floors[a]["floor"]
-            lin = gap_closed(read(core, a, "linear"), read(row, a, "linear"), f)
-            mlp = gap_closed(read(core, a, "mlp"), read(row, a, "mlp"), f)
+            lin = _probe_closed(core, row, a, "linear", f)
+            mlp = _probe_closed(core, row, a, "mlp", f)
             if lin is None or mlp is None or any(map(math.isnan, (lin, mlp))):
                 continue
             if lin >= LINEAR_ONLY_SHARE > mlp:
