@@ -12,6 +12,7 @@ override fails instead of being ignored.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import ml_collections
 
@@ -664,6 +665,41 @@ def swap_preset(c: ml_collections.ConfigDict, keep_changed: bool = False) -> Non
             c[group][name] == default[group][name] and dotted not in kept
         ):
             c[group][name] = value
+
+
+def mixed_preset(
+    c: ml_collections.ConfigDict,
+    swapped: Sequence[str],
+    mmd: Sequence[str],
+    attributes: Sequence[str],
+) -> None:
+    """``auto`` where the swaps close enough of some attributes' gaps and
+    not of others': each attribute its own removal in one run. The swap
+    recipe (:func:`swap_preset`, with ``keep_changed``) gives the shared
+    fields; the objective is the MMD's, and ``method.attribute_weights``
+    gives each attribute in ``mmd`` the MMD recipe's terms (no swap weight,
+    the run's Fisher weight) and each in ``swapped`` the swaps alone (no MMD,
+    Fisher or erased-target weight). An attribute's own entry in the run's
+    ``attribute_weights`` keeps its value. What the MMD attributes take from
+    the swap recipe: the composing steps (``diff.compose_prob``), the task
+    guard and the warm-up (docs/efficacy.md, "Stop 78")."""
+    from moddiffy_jax.methods import attribute_weights as weights_lib
+
+    fisher, target = c.method.fisher_weight, c.method.get("target_weight", 0.0)
+    given = weights_lib.parse_attribute_weights(
+        c.method.get("attribute_weights", ""), list(attributes)
+    )
+    swap_preset(c, keep_changed=True)
+    c.method.objective = "mmd"
+    table = {}
+    for attr in attributes:
+        own = {}
+        if attr in mmd:
+            own = {"swap_weight": 0.0, "fisher_weight": fisher}
+        elif attr in swapped:  # the preset set the shared Fisher weight to 0
+            own = {"mmd_weight": 0.0, **({"target_weight": 0.0} if target else {})}
+        table[attr] = {**own, **given.get(attr, {})}
+    c.method.attribute_weights = weights_lib.format_attribute_weights(table)
 
 
 def _phases_longer_than(c: ml_collections.ConfigDict, updates: int) -> bool:

@@ -443,17 +443,21 @@ def _read_groups(dataset, attr, groups, attr_classes, fields, every=False):
 def resolve_objective(
     config, method, dataset, attributes, pretrained, attr_classes, found=None
 ):
-    """``config.method.objective == "auto"``: the counterfactual swaps
-    (config_lib.swap_preset) where, for every attribute, a bag-of-tokens read
+    """``config.method.objective == "auto"``: per attribute, the
+    counterfactual swaps (config_lib.swap_preset) where a bag-of-tokens read
     of its counterpart groups (methods/swap_budget.py) says the groups the
     swaps would take close at least ``method.auto_swap_closed`` of the gap
     to the floor within ``swap_max_drop`` points; else the MMD recipe (an
     attribute spread over words with no counterparts, as dwmw17's dialect,
-    or no text, no dev split, or no modular diffs). Returns the resolved
-    config (``objective`` "swap" or "mmd"; the requested one is what
-    config.json keeps) and what was chosen and why; ``(config, None)`` for
-    a named objective. Where the swaps win, ``found`` (a dict) receives each
-    attribute's groups and budget choice, which the swaps' tables reuse."""
+    or no text, no dev split, or no modular diffs). Where some attributes
+    take the swaps and others the MMD, one run trains each its own way
+    (config_lib.mixed_preset), unless ``method.auto_mix`` is off: then every
+    attribute takes the MMD recipe. Returns the resolved config
+    (``objective`` "swap" or "mmd"; the requested one is what config.json
+    keeps) and what was chosen and why (``objective`` "swap", "mmd" or
+    "mixed", ``attributes``: each one's); ``(config, None)`` for a named
+    objective. ``found`` (a dict) receives each swapped attribute's groups
+    and budget choice, which the swaps' tables reuse."""
     from moddiffy_jax import config_lib
     from moddiffy_jax.methods import word_rows
     from moddiffy_jax.subnets import selection
@@ -465,7 +469,7 @@ def resolve_objective(
         config_lib.swap_preset(swaps, keep_changed=True)
     need = float(config.method.get("auto_swap_closed", 0.5))
     table = selection.flatten(pretrained).get(word_rows.WORD_TABLE)
-    reads, why = {}, ""
+    reads, why, short = {}, "", {}  # short: attribute -> why not its swaps
     if method.debias != "modular" or table is None:
         why = "the swaps need attribute diffs on a text encoder"
     elif "dev" not in dataset.splits:
@@ -473,8 +477,8 @@ def resolve_objective(
     for attr in attributes if not why else ():
         groups = _counterpart_groups(dataset, attr, np.asarray(table), swaps.method)
         if not groups:
-            why = f"{attr} has no counterpart tokens"
-            break
+            short[attr] = f"{attr} has no counterpart tokens"
+            continue
         # Every group is the most the swaps can remove: where even that read
         # falls short, the prefixes need no reading (dwmw17: 2 fits, not 62).
         most = _read_groups(dataset, attr, groups, attr_classes, swaps.method, True)
@@ -493,18 +497,34 @@ def resolve_objective(
             reads[attr]["one_sided"] = choice.one_sided.word  # after those groups
         reads[attr].update(closed=read.closed, cost=read.cost)
         if read.closed < need or (budget and read.cost > choice.max_drop):
-            why = f"{attr}'s swaps close {read.closed:.2f} of its gap (< {need:.2f})"
-            why += budget
-            break
-    chosen = "mmd" if why else "swap"
-    if why and found is not None:
-        found.clear()
-    resolved = swaps if chosen == "swap" else config.copy_and_resolve_references()
-    with resolved.unlocked():
-        resolved.method.objective = chosen
+            short[attr] = (
+                f"{attr}'s swaps close {read.closed:.2f} of its gap (< {need:.2f})"
+                + budget
+            )
+    swapped = [a for a in attributes if not why and a not in short]
+    mixed = bool(swapped and short and config.method.get("auto_mix", True))
+    chosen = "mixed" if mixed else "mmd" if why or short else "swap"
+    for attr in list(found or {}):  # the swaps' tables: swapped attributes only
+        if chosen == "mmd" or attr in short:
+            del found[attr]
+    if chosen == "swap":
+        resolved = swaps
+    else:
+        resolved = config.copy_and_resolve_references()
+        with resolved.unlocked():
+            if mixed:
+                config_lib.mixed_preset(resolved, swapped, list(short), attributes)
+            resolved.method.objective = "mmd"
     resolved.lock()
     choice = {"objective": chosen, "closed_needed": need, "reads": reads}
-    choice["reason"] = why or "every attribute's swaps close enough of its gap"
+    choice["attributes"] = {
+        a: "swap" if a in swapped and chosen != "mmd" else "mmd" for a in attributes
+    }
+    choice["reason"] = why or "; ".join(short.values())
+    if chosen == "swap":
+        choice["reason"] = "every attribute's swaps close enough of its gap"
+    elif mixed:
+        choice["reason"] += f"; the swaps for {', '.join(swapped)}"
     logging.info("objective auto: %s (%s)", chosen, choice["reason"])
     return resolved, choice
 

@@ -43,6 +43,19 @@ def test_the_table_is_read_per_attribute_and_resolved_for_each():
     assert _settings().attribute_weights == {}
 
 
+def test_the_table_written_as_text_reads_back_the_same():
+    table = {
+        "age": {"swap_weight": 0.0, "fisher_weight": 10.0, "mmd_weight": 1 / 3},
+        "gender": {"mmd_weight": 0.0, "swap_keep_task": True, "task_distill": 3},
+        "dialect": {},
+    }
+    text = attribute_weights.format_attribute_weights(table)
+    assert "dialect" not in text and "swap_keep_task=true" in text
+    got = attribute_weights.parse_attribute_weights(text, list(table))
+    assert got == {a: own for a, own in table.items() if own}
+    assert attribute_weights.format_attribute_weights({}) == ""
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

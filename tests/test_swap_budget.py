@@ -198,19 +198,87 @@ def test_auto_trains_swaps_where_the_words_carry_the_attributes(monkeypatch):
     assert line in composition.format_report(results).splitlines()
 
 
+#: The tiny run where the swaps pass for gender and not for age: asking
+#: them for 0.99 of the gap within half a point (age's read: 0.84).
+_GENDER_ONLY = {"method.auto_swap_closed": 0.99, "method.swap_max_drop": 0.5}
+_AGE_SHORT = "age's swaps close 0.84 of its gap (< 0.99) within 0.5 points"
+
+
 def test_auto_keeps_the_mmd_recipe_where_the_swaps_fall_short_and_says_why():
-    # Asking the swaps for more than the read gives: the MMD recipe.
-    config = _par_config(
-        **{"method.auto_swap_closed": 0.99, "method.swap_max_drop": 0.5}
-    )
-    ctx = train.build_context(config)
-    assert ctx.config.method.objective == "mmd" and ctx.swap_tables is None
-    assert ctx.config.method.fisher_weight == 10.0
-    assert ctx.config.diff.compose_prob == 0.0
-    assert "of its gap (< 0.99)" in ctx.objective_choice["reason"]
+    # Asking the swaps for more than the read gives: the MMD recipe, for
+    # every attribute where they pass for none (here: no dev split to read
+    # them on) or where auto_mix is off.
+    for overrides in (
+        {"data.synthetic.num_dev": 0},
+        {**_GENDER_ONLY, "method.auto_mix": False},
+    ):
+        ctx = train.build_context(_par_config(**overrides))
+        assert ctx.config.method.objective == "mmd" and ctx.swap_tables is None
+        assert ctx.config.method.fisher_weight == 10.0
+        assert ctx.config.diff.compose_prob == 0.0
+        assert not ctx.config.method.attribute_weights
+        choice = ctx.objective_choice
+        assert choice["objective"] == "mmd"
+        assert choice["reason"] in ("the swaps' read needs a dev split", _AGE_SHORT)
+        assert choice["attributes"] == {"gender": "mmd", "age": "mmd"}
     # A named objective is left as it is, with no choice recorded.
     named = train.build_context(_par_config("objective=mmd"))
     assert named.config.method.objective == "mmd" and named.objective_choice is None
+
+
+def test_auto_gives_each_attribute_its_own_removal_where_the_swaps_pass_for_some():
+    """Where the swaps pass for gender and not for age, one run swaps
+    gender's words alone and gives age the MMD recipe (stop 78; it used to
+    send both to the MMD); an attribute_weights entry the run set keeps its
+    value, and the report line says which attribute took which."""
+    from moddiffy_jax.eval.report import objective_line
+    from moddiffy_jax.methods import attribute_weights
+    from tests.test_substeps import _first_step
+
+    config = _par_config(
+        **_GENDER_ONLY, **{"method.attribute_weights": "age: mmd_weight=5"}
+    )
+    ctx = train.build_context(config)
+    choice = ctx.objective_choice
+    assert choice["objective"] == "mixed", choice
+    assert choice["attributes"] == {"gender": "swap", "age": "mmd"}
+    assert choice["reason"] == _AGE_SHORT + "; the swaps for gender"
+    line = objective_line(choice)
+    assert line.startswith("objective auto -> swap for gender, mmd for age: ")
+    assert config.method.objective == "auto"  # config.json keeps the request
+    method = ctx.config.method
+    assert method.objective == "mmd" and set(ctx.swap_tables) == {"gender"}
+    # The swap recipe's shared fields; the MMD's Fisher weight for age alone.
+    assert method.swap_target == 0.75 and ctx.config.diff.compose_prob == 0.5
+    assert method.task_guard and method.fisher_weight == 0.0
+    gender = attribute_weights.for_attribute(ctx.debias, "gender")
+    age = attribute_weights.for_attribute(ctx.debias, "age")
+    assert gender.mmd_weight == 0.0 and gender.fisher_weight == 0.0
+    assert gender.swap_weight > 0.0  # the read gap's weight (swap_gap_reference)
+    assert age.swap_weight == 0.0 and age.fisher_weight == 10.0
+    assert age.mmd_weight == 5.0  # the run's own entry
+    # Each debias step trains the terms of its own removal only.
+    import jax
+
+    from moddiffy_jax.methods import common
+
+    run, substeps, state, frozen, batch = _first_step(
+        "moddiffy_par",
+        **_GENDER_ONLY,
+        **{
+            "method.objective": "auto",
+            "method.attribute_weights": "age: mmd_weight=5",
+            "data.synthetic.num_train": 2000,
+        },
+    )
+    assert run.objective_choice["objective"] == "mixed"
+    step = jax.jit(common.make_train_step(substeps))
+    _, metrics = step(state, frozen, batch, jax.random.PRNGKey(0))
+    names = sorted(metrics)
+    for term in ("swap/gender", "mmd/age", "fisher/age"):
+        assert any(n.endswith(term) for n in names), (term, names)
+    for term in ("mmd/gender", "fisher/gender", "swap/age"):
+        assert not any(n.endswith(term) for n in names), (term, names)
 
 
 def test_auto_with_every_group_judges_the_every_group_read():

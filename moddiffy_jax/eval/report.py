@@ -51,7 +51,10 @@ def objective_line(choice: Mapping[str, Any]) -> str:
         + f" close {r['closed']:.2f} of the gap at {r['cost']:.1f} pts"
         for a, r in choice.get("reads", {}).items()
     )
-    return f"objective auto -> {choice['objective']}: {choice['reason']}" + (
+    chosen = choice["objective"]
+    if chosen == "mixed":  # results.json before stop 78 has no "attributes"
+        chosen = ", ".join(f"{o} for {a}" for a, o in choice["attributes"].items())
+    return f"objective auto -> {chosen}: {choice['reason']}" + (
         f" (bag-of-tokens read on dev; {reads})" if reads else ""
     )
 

@@ -103,3 +103,17 @@ def parse_attribute_weights(
                 )
             own[field] = weight
     return out
+
+
+def format_attribute_weights(table: dict[str, dict[str, Any]]) -> str:
+    """The text :func:`parse_attribute_weights` reads back as ``table``
+    (switches as true / false; numbers in Python's shortest exact form)."""
+
+    def value(v: Any) -> str:
+        return ("true" if v else "false") if isinstance(v, bool) else repr(float(v))
+
+    return "; ".join(
+        f"{attribute}: " + ", ".join(f"{k}={value(v)}" for k, v in own.items())
+        for attribute, own in table.items()
+        if own
+    )

@@ -22,6 +22,10 @@ def config_fields() -> ml_collections.ConfigDict:
     # at least this share of the gap to the floor within swap_max_drop
     # points; else the MMD recipe (context.resolve_objective).
     f.auto_swap_closed = 0.5
+    # Where the swaps pass for some attributes and not for others: each its
+    # own removal in one run (the swaps for those, the MMD recipe for the
+    # rest; config_lib.mixed_preset). False: every attribute the MMD recipe.
+    f.auto_mix = True
     # Fields of that swap recipe (config_lib.SWAP_PRESET_FIELDS, comma-
     # separated) it keeps as the run set them even where they equal the
     # method's default; the command line (main.py) names here the ones it
