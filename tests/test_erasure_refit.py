@@ -237,6 +237,26 @@ def test_erasers_and_their_joint_correction_remove_from_pretrained_minilm():
             assert closed > 0.5, (name, a, report)
     for name in params:
         assert acc[name] > acc["core"] - 0.02, report
+    # One erased diff beside one without an eraser (a mixed auto run's swap
+    # diff; here gender's erasing diff, added as it is): age's eraser is
+    # fitted again on the composition, and the correction holds its rows only.
+    fix, record = je.correction(
+        ctx,
+        core,
+        {"age": refits["age"]},
+        attrs,
+        er.Settings(share=0.5),
+        compose=evaluator.compose,
+        forward=evaluator.forward,
+        plain={"gender": diffs["gender"]},
+    )
+    assert fix.name == "gender+age" and set(record["attributes"]) == {"age"}
+    assert 0 < fix.nnz() <= refits["age"].record["entries"]
+    both = evaluator.compose(core, [diffs["gender"], diffs["age"], fix])
+    reps = {s: rep.represent(both, s) for s in ("train", "test")}
+    ages = {s: splits[s].attrs["age"] for s in reps}
+    mixed = removal.fresh_linear_leakage(reps, ages, num_classes=2, split="test")
+    assert composition.gap_closed(leak["core", "age"], mixed, floor["age"]) > 0.5
 
 
 def test_a_trained_diff_keeps_its_exact_budget_with_the_eraser(planted, tmp_path):

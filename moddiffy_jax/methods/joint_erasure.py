@@ -9,10 +9,13 @@ rows again on the composed model, one attribute after the other, passes
 both floors at the same task cost (offline, stop 55: gender 0.854, age
 0.720; floors 0.892, 0.748).
 
-So when training ends, for every set of two or more erased diffs, this
-module fits their erasers again, in the rows each diff's own eraser holds,
-on ``core + the trained parts of those diffs`` (each diff with its own
-eraser taken out), attribute after attribute in the run's order, each fit
+So when training ends, for every set of two or more diffs of which at
+least one is erased, this module fits their erasers again, in the rows each
+diff's own eraser holds, on ``core + the trained parts of those diffs``
+(each erased diff with its own eraser taken out; a diff without one, as a
+swap diff beside an MMD diff in a mixed ``auto`` run, added as it is: its
+words' removal moves the coordinates the other's eraser reads, stop 78),
+attribute after attribute in the run's order, each fit
 reading the model with the previous ones written in (``diff.erasure_rounds``
 times over). What it stores is the
 *correction*: the new erasers minus the diffs' own, as a sparse diff over
@@ -118,13 +121,18 @@ def correction(
     settings: er.Settings,
     compose: Any,
     forward: Any,
+    plain: Mapping[str, diffs_lib.SparseDiff] | None = None,
 ) -> tuple[diffs_lib.SparseDiff, dict]:
     """The correction of ``subset`` (attribute names, each with its
-    :class:`~moddiffy_jax.methods.erasure_refit.Refit`) and a record.
+    :class:`~moddiffy_jax.methods.erasure_refit.Refit`, or in ``plain``: a
+    diff without an eraser, as one trained with the swaps, added as it is
+    while the others' erasers are fitted on the composition) and a record.
 
     ``compose(params, [sparse diffs]) -> params``; ``forward`` gives the
     split's batches.
     """
+    plain = plain or {}
+    erased = [a for a in subset if a in refits]
     bert = ctx.model.bert_config
     paths = er.output_paths(bert.num_hidden_layers)
     split = er.fit_split(ctx, settings)
@@ -132,13 +140,16 @@ def correction(
     fn = er.feature_fn(ctx.model)
     # core + each diff without its own eraser.
     trained = [
-        er.add_entries(refits[a].diff, negated(refits[a].additions)) for a in subset
+        er.add_entries(refits[a].diff, negated(refits[a].additions))
+        if a in refits
+        else plain[a]
+        for a in subset
     ]
     params = compose(core, trained)
-    template = refits[subset[0]].diff
+    template = refits[erased[0]].diff
     new, record = [], {}
     for _ in range(settings.rounds):
-        for attribute in subset:
+        for attribute in erased:
             y, g = er.features(fn, forward, params, split)
             labels = np.asarray(split.attrs[attribute])
             additions, fit = er.write_eraser(
@@ -148,12 +159,12 @@ def correction(
             new.append(additions)
             params = compose(params, [as_diff(template, paths, attribute, [additions])])
     y, _ = er.features(fn, forward, params, split)
-    for attribute in subset:
+    for attribute in erased:
         labels = np.asarray(split.attrs[attribute])
         after = er.fit_eraser(y, task, labels, ridge=settings.ridge)
         record[attribute]["separation_after"] = after.separation
     name = joint_name(subset)
-    own = [negated(refits[a].additions) for a in subset]
+    own = [negated(refits[a].additions) for a in erased]
     info = {"joint": list(subset), "ridge": settings.ridge}
     sd = as_diff(template, paths, name, new + own, info)
     return sd, {"attributes": record, "nnz": int(sd.nnz())}

@@ -546,13 +546,18 @@ def finish(ctx, trainable: dict, frozen: dict, phase: str):
         sd = done.diff
         trainable, indices = _set_sparse(trainable, indices, key, sd.indices, sd.values)
     frozen = {**frozen, "indices": indices}
-    if d.get("erasure_joint", False) and len(refits) > 1:
+    if d.get("erasure_joint", False) and refits:
         from moddiffy_jax.methods import joint_erasure
 
-        # Every erased diff shares the core (MoDDiffy-par, -post).
+        # Every erased diff shares the core (MoDDiffy-par, -post). A set
+        # with one erased diff and others left as trained (swap diffs in a
+        # mixed auto run) needs its eraser fitted on the composition too.
         core = base_for_diff(ctx, trainable, frozen, keys[0])
+        plain = {k[-1]: sparse[diff_name(k)] for k in keys if k[-1] not in refits}
         corrections = {}
-        for subset in joint_erasure.subsets(list(refits)):
+        for subset in joint_erasure.subsets([k[-1] for k in keys]):
+            if not refits.keys() & set(subset):
+                continue
             name = joint_erasure.joint_name(subset)
             corrections[name], record[name] = joint_erasure.correction(
                 ctx,
@@ -562,6 +567,7 @@ def finish(ctx, trainable: dict, frozen: dict, phase: str):
                 settings,
                 compose=evaluator.compose,
                 forward=evaluator.forward,
+                plain=plain,
             )
         frozen[JOINT] = corrections
     return trainable, frozen, record
