@@ -680,15 +680,28 @@ def mixed_preset(
     gives each attribute in ``mmd`` the MMD recipe's terms (no swap weight,
     the run's Fisher weight) and each in ``swapped`` the swaps alone (no MMD,
     Fisher or erased-target weight). An attribute's own entry in the run's
-    ``attribute_weights`` keeps its value. What the MMD attributes take from
-    the swap recipe: the composing steps (``diff.compose_prob``), the task
-    guard and the warm-up (docs/efficacy.md, "Stop 78")."""
+    ``attribute_weights`` keeps its value; a swap weight there that says
+    otherwise than the read (0 for a swapped attribute, more for an MMD one)
+    is refused. What the MMD attributes take from the swap recipe in
+    MoDDiffy-par: the composing steps (``diff.compose_prob``), the task
+    guard and the warm-up; ``keep_from`` too, which only the task distill
+    and ``task_target="core_decision"`` read, both off in the MMD recipe
+    (docs/efficacy.md, "Stop 78")."""
     from moddiffy_jax.methods import attribute_weights as weights_lib
 
     fisher, target = c.method.fisher_weight, c.method.get("target_weight", 0.0)
     given = weights_lib.parse_attribute_weights(
         c.method.get("attribute_weights", ""), list(attributes)
     )
+    for attr, own in given.items():
+        if "swap_weight" in own and (own["swap_weight"] > 0) != (attr in swapped):
+            chose = "the swaps" if attr in swapped else "the MMD recipe"
+            raise ValueError(
+                f"config.method.attribute_weights sets {attr}'s swap_weight to "
+                f"{own['swap_weight']:g}, where objective=auto chose {chose} for "
+                f"it: drop that entry, or name the objective (objective=swap or "
+                "mmd, with attribute_weights for each attribute's terms)."
+            )
     swap_preset(c, keep_changed=True)
     c.method.objective = "mmd"
     table = {}

@@ -502,7 +502,9 @@ def resolve_objective(
                 + budget
             )
     swapped = [a for a in attributes if not why and a not in short]
-    mixed = bool(swapped and short and config.method.get("auto_mix", True))
+    # A config.json without the field (a run from before stop 78) was
+    # trained with every attribute on the MMD where one fell short.
+    mixed = bool(swapped and short and config.method.get("auto_mix", False))
     chosen = "mixed" if mixed else "mmd" if why or short else "swap"
     for attr in list(found or {}):  # the swaps' tables: swapped attributes only
         if chosen == "mmd" or attr in short:

@@ -174,7 +174,7 @@ def export_hf(
     names = sorted(diffs)
     added = [artifacts.diffs[n] for n in names]
     weights = [diffs[n] for n in names]
-    # Two or more erased diffs at weight 1: their composition's correction
+    # Two or more diffs at weight 1, one or more erased: their correction
     # (methods/joint_erasure.py), as the run's composition table adds it.
     fix = joint_erasure.correction_for(artifacts.joint, diffs)
     if fix is not None:

@@ -63,7 +63,14 @@ def _added_at_default(config, old: Mapping, new: Mapping) -> set[str]:
     from moddiffy_jax import config_lib
 
     default = _flat_config(config_to_dict(config_lib.base_config(config.method.name)))
+    default.update({k: v for k, v in _BEHAVIOUR_BEFORE.items() if k in default})
     return {k for k in missing if k in default and default[k] == new[k]}
+
+
+#: Fields whose default is not what a run made before the field existed
+#: did: its value there (``method.auto_mix``, stop 78: such a run sent every
+#: attribute to the MMD where one fell short of the swaps' read).
+_BEHAVIOUR_BEFORE = {"method.auto_mix": False}
 
 
 def check_workdir(config: ml_collections.ConfigDict, workdir: Path) -> None:

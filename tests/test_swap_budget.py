@@ -257,6 +257,15 @@ def test_auto_gives_each_attribute_its_own_removal_where_the_swaps_pass_for_some
     assert gender.swap_weight > 0.0  # the read gap's weight (swap_gap_reference)
     assert age.swap_weight == 0.0 and age.fisher_weight == 10.0
     assert age.mmd_weight == 5.0  # the run's own entry
+    # A swap weight of the run's own that says otherwise than the read is
+    # refused, naming the entry and the fix.
+    for entry, chose in (
+        ("age: swap_weight=3", "MMD"),
+        ("gender: swap_weight=0", "swaps"),
+    ):
+        bad = _par_config(**_GENDER_ONLY, **{"method.attribute_weights": entry})
+        with pytest.raises(ValueError, match=f"chose the {chose}.*drop that entry"):
+            train.build_context(bad)
     # Each debias step trains the terms of its own removal only.
     import jax
 

@@ -43,7 +43,7 @@ from moddiffy_jax.subnets import masks as masks_lib
 from moddiffy_jax.subnets import selection
 
 #: ``frozen[JOINT]``: the corrections :func:`finish` fits for compositions
-#: of erased diffs (``name -> SparseDiff``, methods/joint_erasure.py).
+#: with an erased diff (``name -> SparseDiff``, methods/joint_erasure.py).
 JOINT = "joint_corrections"
 
 
@@ -487,8 +487,8 @@ def diff_config() -> ml_collections.ConfigDict:
     # Fits of each eraser in its rows, each on the model the previous ones
     # erased (LayerNorm's renormalisation leaves part of the attribute).
     d.erasure_rounds = 1
-    # Two or more erased diffs: their erasers fitted again on each
-    # composition and stored as a correction beside them
+    # Two or more diffs, one of them or more erased: their erasers fitted
+    # again on each composition and stored as a correction beside them
     # (methods/joint_erasure.py; export/joint/<a>+<b>.safetensors).
     d.erasure_joint = True
     return d

@@ -17,9 +17,9 @@ def config_fields() -> ml_collections.ConfigDict:
     # while a fresh probe reads the attribute as well as on the core; the
     # unbiased task-conditional MMD with gradual pruning removes part of it.
     f.objective = "mmd"
-    # objective "auto" (the main job's default): the swaps below where, for
-    # every attribute, a bag-of-tokens read says its counterpart groups close
-    # at least this share of the gap to the floor within swap_max_drop
+    # objective "auto" (the main job's default): for each attribute, the
+    # swaps below where a bag-of-tokens read says its counterpart groups
+    # close at least this share of the gap to the floor within swap_max_drop
     # points; else the MMD recipe (context.resolve_objective).
     f.auto_swap_closed = 0.5
     # Where the swaps pass for some attributes and not for others: each its
